@@ -1,0 +1,1 @@
+"""gdp_jax: Gated Delta Product (DeltaProduct with a decay gate) for JAX."""

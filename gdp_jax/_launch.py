@@ -1,0 +1,222 @@
+"""The one place through which every Triton kernel is launched.
+
+Two ways to run a kernel, same grid, same arguments, same output shapes:
+
+* "triton": `jax_triton.triton_call` on a GPU.
+* "interpret": Triton's interpreter on the CPU, inside `jax.pure_callback`, driving the kernel
+  with thin numpy adapters (no torch needed, bf16 included).
+
+Every quirk of jax-triton 0.3.1 lives here and nowhere else:
+
+* it passes array arguments and scalars positionally, then one pointer per output, then the
+  metaparameters as constexprs; kernels therefore order parameters inputs, outputs, constexprs;
+* `None` cannot be passed (a pytree drops it): callers pass a placeholder array plus a flag;
+* a Python float is typed fp64, so floats go as `np.float32`; numpy integers would be taken
+  for arrays, so integers go as Python ints;
+* `input_output_aliases` counts array arguments only (scalars are not operands of the custom
+  call), and an aliased buffer reaches the kernel twice: once among the inputs, once among the
+  outputs (0.4 passes it once and renamed `out_shape`; we pin <0.4 until that is tested);
+* importing it sets TRITON_CACHE_DIR to "", which breaks Triton kernels launched from torch in
+  the same process (the side-by-side benchmarks): the variable is put back after the import.
+"""
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+from typing import Sequence
+
+import jax
+import numpy as np
+
+def _kernels_module(interpret: bool):
+  """Imports gdp_kernels, making sure Triton runs in the mode asked for.
+
+  Triton decides at decoration time whether `@triton.jit` builds an interpreted function, from
+  TRITON_INTERPRET as it was when triton was first imported; one process runs one mode.
+  """
+  if "triton" not in sys.modules and interpret:
+    os.environ["TRITON_INTERPRET"] = "1"
+  mod = importlib.import_module("gdp_kernels")
+  active = type(mod._common.l2norm_rows).__name__ == "InterpretedFunction"
+  if active != interpret:
+    if interpret:
+      raise RuntimeError(
+          "backend='interpret' needs TRITON_INTERPRET=1 before triton is first imported; this "
+          "process imported triton in compiled mode. Set the variable at the top of the program "
+          "(or in the environment) and restart.")
+    raise RuntimeError(
+        "backend='triton' cannot run in a process where triton was imported with "
+        "TRITON_INTERPRET=1; unset it and restart, or use backend='interpret'.")
+  return mod
+
+
+def _resolve_kernel(name: str, interpret: bool):
+  module_name, fn_name = name.rsplit(".", 1)
+  mod = _kernels_module(interpret)
+  return getattr(importlib.import_module(f"{mod.__name__}.{module_name}"), fn_name)
+
+
+def _scalar(x):
+  """Scalars as jax-triton 0.3.1 types them correctly (see the module docstring)."""
+  if isinstance(x, (bool, np.bool_)):
+    return bool(x)
+  if isinstance(x, (int, np.integer)):
+    return int(x)
+  if isinstance(x, (float, np.floating)):
+    return np.float32(x)
+  raise TypeError(f"unsupported scalar argument {x!r} of type {type(x).__name__}")
+
+
+def _is_array(x) -> bool:
+  return isinstance(x, (jax.Array, np.ndarray)) or hasattr(x, "aval")
+
+
+def call(
+    kernel: str,
+    *args,
+    grid: tuple[int, ...],
+    out_shape: Sequence[jax.ShapeDtypeStruct],
+    backend: str,
+    input_output_aliases: dict[int, int] | None = None,
+    num_warps: int = 4,
+    num_stages: int = 2,
+    **constexprs,
+) -> tuple[jax.Array, ...]:
+  """Launches `gdp_kernels.<kernel>` on `grid`.
+
+  Args:
+    kernel: "module.function" inside gdp_kernels, e.g. "fused_recurrent.fused_recurrent_fwd_kernel".
+    *args: the kernel's inputs in order: arrays, and scalars (ints, floats).
+    grid: static launch grid, at most 3 axes (axes 1 and 2 are capped at 65535 by CUDA).
+    out_shape: one ShapeDtypeStruct per output pointer, in the kernel's order.
+    backend: "triton" or "interpret".
+    input_output_aliases: {position in args: output index}; the output starts as a copy of that
+      input (or is that buffer, when donated under jit on the GPU).
+    num_warps, num_stages: compile options (ignored by the interpreter).
+    **constexprs: the kernel's constexpr parameters.
+
+  Returns:
+    A tuple of output arrays. Outputs that are not aliased start uninitialised on the GPU and as
+    NaN (or the integer minimum) in the interpreter, so an unwritten element shows.
+  """
+  grid = tuple(int(g) for g in grid)
+  if len(grid) > 3 or any(g < 0 for g in grid):
+    raise ValueError(f"grid: expected at most 3 non-negative axes, got {grid}")
+  if len(grid) > 1 and max(grid[1:]) > 65535:
+    raise ValueError(f"grid: axes 1 and 2 are capped at 65535 by CUDA, got {grid}")
+  args = [a if _is_array(a) else _scalar(a) for a in args]
+  aliases = dict(input_output_aliases or {})
+  for i in aliases:
+    if not _is_array(args[i]):
+      raise ValueError(f"input_output_aliases: argument {i} is a scalar")
+  out_shape = [jax.ShapeDtypeStruct(s.shape, s.dtype) for s in out_shape]
+  if any(g == 0 for g in grid):
+    return _no_launch(args, out_shape, aliases)
+  if backend == "interpret":
+    return _interpret(kernel, args, grid, out_shape, aliases, constexprs)
+  if backend == "triton":
+    return _jax_triton(kernel, args, grid, out_shape, aliases, num_warps, num_stages, constexprs)
+  raise ValueError(f"backend: expected 'triton' or 'interpret' for a kernel launch, got {backend!r}")
+
+
+def _no_launch(args, out_shape, aliases):
+  """An empty grid writes nothing: aliased outputs keep their input, the rest are zeros."""
+  inv = {o: i for i, o in aliases.items()}
+  return tuple(args[inv[j]] if j in inv else jax.numpy.zeros(s.shape, s.dtype)
+               for j, s in enumerate(out_shape))
+
+
+def _jax_triton_module():
+  if "jax_triton" not in sys.modules:
+    before = os.environ.get("TRITON_CACHE_DIR")
+    import jax_triton  # imports only where jax has GPU support
+    if before is None:
+      os.environ.pop("TRITON_CACHE_DIR", None)
+    else:
+      os.environ["TRITON_CACHE_DIR"] = before
+  return sys.modules["jax_triton"]
+
+
+def _jax_triton(kernel, args, grid, out_shape, aliases, num_warps, num_stages, constexprs):
+  jt = _jax_triton_module()
+  fn = _resolve_kernel(kernel, interpret=False)
+  array_pos = {i: n for n, i in enumerate(i for i, a in enumerate(args) if _is_array(a))}
+  return tuple(jt.triton_call(
+      *args,
+      kernel=fn,
+      out_shape=out_shape,
+      grid=grid,
+      num_warps=num_warps,
+      num_stages=num_stages,
+      input_output_aliases={array_pos[i]: o for i, o in aliases.items()},
+      **constexprs,
+  ))
+
+
+class _HostPointer:
+  """The part of a torch tensor's interface that Triton's interpreter uses.
+
+  The interpreter copies every tensor argument to the host through `untyped_storage()` and back
+  afterwards; our buffers already live on the host, so those steps are identities and the
+  kernel reads and writes the numpy memory directly. `dtype` is a string ('bfloat16', ...),
+  which Triton maps to its own type by name.
+  """
+
+  def __init__(self, array: np.ndarray):
+    self.array = array
+    self.dtype = str(array.dtype)
+
+  def data_ptr(self) -> int:
+    return self.array.ctypes.data
+
+  def untyped_storage(self):
+    return self
+
+  def cpu(self):
+    return self
+
+  def new_empty(self, *_, **__):
+    return self
+
+  def set_(self, *_):
+    return self
+
+  def storage_offset(self) -> int:
+    return 0
+
+  def size(self):
+    return self.array.shape
+
+  def stride(self):
+    return tuple(s // self.array.itemsize for s in self.array.strides)
+
+  def copy_(self, other):
+    if other is not self:
+      np.copyto(self.array, other.array)
+
+
+def _poison(s: jax.ShapeDtypeStruct) -> np.ndarray:
+  dt = np.dtype(s.dtype)
+  if np.issubdtype(dt, np.integer):
+    return np.full(s.shape, np.iinfo(dt).min, dt)
+  return np.full(s.shape, np.nan, dt)
+
+
+def _interpret(kernel, args, grid, out_shape, aliases, constexprs):
+  fn = _resolve_kernel(kernel, interpret=True)
+  positions = [i for i, a in enumerate(args) if _is_array(a)]
+  inv = {o: i for i, o in aliases.items()}
+
+  def host(*arrays):
+    full = list(args)
+    for i, a in zip(positions, arrays):
+      full[i] = np.ascontiguousarray(np.asarray(a))
+    outs = [np.array(full[inv[j]], copy=True, order="C") if j in inv else _poison(s)
+            for j, s in enumerate(out_shape)]
+    ptr = lambda x: _HostPointer(x) if isinstance(x, np.ndarray) else x
+    fn[grid](*[ptr(a) for a in full], *[_HostPointer(o) for o in outs], **constexprs)
+    return tuple(outs)
+
+  return tuple(jax.pure_callback(host, tuple(out_shape), *[args[i] for i in positions],
+                                 vmap_method="sequential"))
