@@ -1,1 +1,30 @@
-"""gdp_jax: Gated Delta Product (DeltaProduct with a decay gate) for JAX."""
+"""gdp_jax: Gated Delta Product (DeltaProduct with a decay gate) for JAX.
+
+Entry points: `chunk_gated_delta_product` (prefill), `fused_recurrent_gated_delta_rule` (the
+decode step), `gated_delta_product_decode` and `accept_draft_tokens` (decode with draft tokens),
+`chunk_offsets` (where each packed sequence's chunk states start), and `reference`, the pure
+jax.numpy twins of all of them.
+"""
+from gdp_jax.decode import (accept_draft_tokens, fused_recurrent_gated_delta_rule,
+                            gated_delta_product_decode)
+from gdp_jax.prefill import chunk_gated_delta_product
+
+__all__ = [
+    "accept_draft_tokens",
+    "chunk_gated_delta_product",
+    "chunk_offsets",
+    "fused_recurrent_gated_delta_rule",
+    "gated_delta_product_decode",
+    "reference",
+]
+
+
+def __getattr__(name):
+  # `reference` and `chunk_offsets` load on first use, so `import gdp_jax` stays light.
+  if name == "reference":
+    import importlib
+    return importlib.import_module("gdp_jax.reference")
+  if name == "chunk_offsets":
+    from gdp_jax.reference import chunk_offsets
+    return chunk_offsets
+  raise AttributeError(f"module 'gdp_jax' has no attribute {name!r}")

@@ -214,7 +214,9 @@ def _interpret(kernel, args, grid, out_shape, aliases, constexprs):
       full[i] = np.ascontiguousarray(np.asarray(a))
     outs = [np.array(full[inv[j]], copy=True, order="C") if j in inv else _poison(s)
             for j, s in enumerate(out_shape)]
-    ptr = lambda x: _HostPointer(x) if isinstance(x, np.ndarray) else x
+    # The interpreter types Python floats as fp32 itself and cannot convert numpy scalars.
+    ptr = lambda x: (_HostPointer(x) if isinstance(x, np.ndarray)
+                     else float(x) if isinstance(x, np.floating) else x)
     fn[grid](*[ptr(a) for a in full], *[_HostPointer(o) for o in outs], **constexprs)
     return tuple(outs)
 

@@ -1,0 +1,202 @@
+"""Decode entry points: the fused recurrent step, Gated Delta Product decode, draft acceptance."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from gdp_jax import _backends, _checks, _configs, _launch
+
+
+def fused_recurrent_gated_delta_rule(
+    q, k, v, g=None, beta=None, *, scale=None, initial_state=None, output_final_state=False,
+    use_qk_l2norm_in_kernel=False, cu_seqlens=None, state=None, state_indices=None,
+    intermediate_states=None, steps_per_token=1, backend="auto"):
+  """Gated delta rule, token by token; matches `gdp_jax.reference.fused_recurrent_gated_delta_rule`.
+
+  Per sequence and value head, with state S [K, V] in float32:
+  `S *= exp(g_t); S += k_t (beta_t * (v_t - S^T k_t))^T; o_t = S^T (scale * q_t)`.
+
+  Args:
+    q: queries [B, T, H, K].
+    k: keys [B, T, H, K].
+    v: values [B, T, HV, V]; value head hv reads key head hv // (HV // H).
+    g: log decays [B, T, HV] (natural log, <= 0), or None for no decay.
+    beta: [B, T, HV] (head-wise) or [B, T, HV, V] (element-wise), or None for 1.
+    scale: query scale; None means K ** -0.5.
+    initial_state: [N, HV, K, V], any float dtype, or None for zeros.
+    output_final_state: return the final state [N, HV, K, V] float32 (without `state`).
+    use_qk_l2norm_in_kernel: normalise q and k rows, x / sqrt(sum(x^2) + 1e-6), in float32.
+    cu_seqlens: [N+1] int32 starts of packed sequences (B == 1), or None for N = B sequences.
+      Tokens after cu_seqlens[N] get o = 0.
+    state: cache [S, HV, K, V]; sequence n reads and writes slot state_indices[n] (or n). Slots
+      must be unique within a call.
+    state_indices: [N] int32 slots; a slot outside [0, S) (-1 by convention) is padding: it reads
+      nothing, writes nothing, and its outputs are exactly 0.
+    intermediate_states: [S, T // steps_per_token, HV, K, V] snapshots: entry [slot, i] receives
+      the state after step (i + 1) * steps_per_token - 1 of the sequence.
+    steps_per_token: recurrence steps per draft token (M for folded Gated Delta Product decode).
+    backend: "auto", "triton", "reference" or "interpret" (see README).
+
+  Returns:
+    (o, final_state), plus the updated intermediate_states last when they are given. o is
+    [B, T, HV, V] in v.dtype. final_state is the updated cache when `state` is given (a new
+    array; the same buffer when donated under jax.jit), else [N, HV, K, V] float32 when
+    output_final_state, else None.
+
+  Raises:
+    ValueError: at trace time, for shapes or dtypes that do not fit the above.
+  """
+  dims = _checks.check_fused_recurrent(
+      q, k, v, g, beta, scale=scale, initial_state=initial_state, cu_seqlens=cu_seqlens,
+      state=state, state_indices=state_indices, intermediate_states=intermediate_states,
+      steps_per_token=steps_per_token)
+  scale = dims.K ** -0.5 if scale is None else float(scale)
+  backend = _backends.resolve(backend)
+  kwargs = dict(scale=scale, initial_state=initial_state, output_final_state=output_final_state,
+                use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, cu_seqlens=cu_seqlens,
+                state=state, state_indices=state_indices, intermediate_states=intermediate_states,
+                steps_per_token=steps_per_token)
+  if backend == "reference":
+    from gdp_jax import reference
+    return reference.fused_recurrent_gated_delta_rule(q, k, v, g, beta, **kwargs)
+  return _fused_recurrent_fwd(q, k, v, g, beta, dims=dims, backend=backend, **kwargs)
+
+
+def _placeholder(dtype=jnp.float32):
+  # triton_call cannot pass None: optional pointers get this plus a constexpr flag.
+  return jnp.zeros((1,), dtype)
+
+
+def _fused_recurrent_fwd(q, k, v, g, beta, *, dims, backend, scale, initial_state,
+                         output_final_state, use_qk_l2norm_in_kernel, cu_seqlens, state,
+                         state_indices, intermediate_states, steps_per_token):
+  B, T, H, HV, K, V, N = dims.B, dims.T, dims.H, dims.HV, dims.K, dims.V, dims.N
+  cfg = _configs.decode_config(N, HV, K, V)
+  has_state = state is not None
+  has_inter = intermediate_states is not None
+  store_final = output_final_state and not has_state
+  S = state.shape[0] if has_state else (intermediate_states.shape[0] if has_inter else 1)
+  NI = intermediate_states.shape[1] if has_inter else 1
+  f32 = jnp.float32
+  args = (
+      q, k, v,
+      _placeholder() if g is None else g.astype(f32),
+      _placeholder() if beta is None else beta,
+      _placeholder() if initial_state is None else initial_state,
+      state if has_state else _placeholder(),
+      intermediate_states if has_inter else _placeholder(),
+      _placeholder(jnp.int32) if state_indices is None else state_indices.astype(jnp.int32),
+      _placeholder(jnp.int32) if cu_seqlens is None else cu_seqlens.astype(jnp.int32),
+      scale, T, S,
+  )
+  out_shape = (
+      jax.ShapeDtypeStruct((B, T, HV, V), v.dtype),
+      jax.ShapeDtypeStruct((N, HV, K, V) if store_final else (1,), f32),
+      jax.ShapeDtypeStruct(state.shape if has_state else (1,), state.dtype if has_state else f32),
+      jax.ShapeDtypeStruct(intermediate_states.shape if has_inter else (1,),
+                           intermediate_states.dtype if has_inter else f32),
+  )
+  aliases = {}
+  if has_state:
+    aliases[6] = 2
+  if has_inter:
+    aliases[7] = 3
+  NV = -(-V // cfg.BV)
+  o, ht, new_state, new_inter = _launch.call(
+      "fused_recurrent.fused_recurrent_fwd_kernel", *args,
+      grid=(NV * N * HV,), out_shape=out_shape, backend=backend, input_output_aliases=aliases,
+      num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+      H=H, HV=HV, K=K, V=V, NI=NI, BK=_configs._next_pow2(K), BV=cfg.BV,
+      STEPS_PER_TOKEN=steps_per_token,
+      USE_G=g is not None, USE_BETA=beta is not None,
+      IS_BETA_HEADWISE=beta is None or beta.ndim == 3,
+      USE_QK_L2NORM=bool(use_qk_l2norm_in_kernel),
+      USE_INITIAL_STATE=initial_state is not None, STORE_FINAL_STATE=store_final,
+      HAS_STATE=has_state, HAS_STATE_INDICES=state_indices is not None,
+      STORE_INTERMEDIATE=has_inter, IS_VARLEN=cu_seqlens is not None)
+  if cu_seqlens is not None:
+    # No program owns tokens outside [cu[0], cu[N]); their outputs are defined as zero.
+    t = jnp.arange(T)
+    inside = (t >= cu_seqlens[0]) & (t < cu_seqlens[-1])
+    o = jnp.where(inside[None, :, None, None], o, jnp.zeros((), o.dtype))
+  final = new_state if has_state else (ht if store_final else None)
+  return (o, final, new_inter) if has_inter else (o, final)
+
+
+def gated_delta_product_decode(q, k, v, g, beta, *, num_householder, state, state_indices,
+                               intermediate_states=None, scale=None,
+                               use_qk_l2norm_in_kernel=False, backend="auto"):
+  """One decode step of Gated Delta Product for N requests of D draft tokens each.
+
+  Folds the M Householder copies into the sequence (query on the last copy, decay on the first)
+  and runs the fused recurrent step with steps_per_token = M; matches
+  `gdp_jax.reference.gated_delta_product_decode`.
+
+  Args:
+    q: queries [N, D, H, K] (D = 1 for plain decode).
+    k: keys [N, D*M, H, K]; draft token d owns rows d*M .. d*M+M-1.
+    v: values [N, D*M, HV, V].
+    g: log decays [N, D, HV], or None.
+    beta: [N, D*M, HV], or None for 1.
+    num_householder: M, the rank-1 updates per token.
+    state: cache [S, HV, K, V]; request n reads and writes slot state_indices[n].
+    state_indices: [N] int32; a slot outside [0, S) (-1) is padding: no read, no write, o = 0.
+    intermediate_states: [S, D, HV, K, V] or None; entry [slot, d] receives the state after
+      draft token d, for `accept_draft_tokens`.
+    scale: query scale; None means K ** -0.5.
+    use_qk_l2norm_in_kernel: normalise q and k rows in float32 (a zero query stays zero).
+    backend: "auto", "triton", "reference" or "interpret".
+
+  Returns:
+    (o [N, D, HV, V] in v.dtype, updated state), plus the updated intermediate_states when given.
+  """
+  dims = _checks.check_gdp_decode(q, k, v, g, beta, num_householder=num_householder, state=state,
+                                  state_indices=state_indices,
+                                  intermediate_states=intermediate_states, scale=scale)
+  backend = _backends.resolve(backend)
+  if backend == "reference":
+    from gdp_jax import reference
+    return reference.gated_delta_product_decode(
+        q, k, v, g, beta, num_householder=num_householder, state=state,
+        state_indices=state_indices, intermediate_states=intermediate_states, scale=scale,
+        use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
+  M = num_householder
+  N, D, H, K = q.shape
+  q_fold = jnp.zeros((N, D, M, H, K), q.dtype).at[:, :, M - 1].set(q).reshape(N, D * M, H, K)
+  g_fold = None
+  if g is not None:
+    HV = g.shape[-1]
+    g_fold = jnp.zeros((N, D, M, HV), jnp.float32).at[:, :, 0].set(g).reshape(N, D * M, HV)
+  out = fused_recurrent_gated_delta_rule(
+      q_fold, k, v, g_fold, beta, scale=dims.K ** -0.5 if scale is None else scale,
+      use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, state=state, state_indices=state_indices,
+      intermediate_states=intermediate_states, steps_per_token=M, backend=backend)
+  return (out[0][:, M - 1::M],) + tuple(out[1:])
+
+
+def accept_draft_tokens(state, intermediate_states, state_indices, num_accepted):
+  """Rolls each slot back to the state after its last accepted draft token.
+
+  `state[s] = intermediate_states[s, n - 1]` for request i with slot s = state_indices[i] and
+  n = num_accepted[i]. Slots outside [0, S) and counts outside [1, D] leave the cache untouched
+  (n = D is a no-op anyway: the decode step already wrote that state). Pure jnp: under jax.jit
+  with the cache donated, XLA scatters in place.
+
+  Args:
+    state: cache [S, HV, K, V].
+    intermediate_states: [S, D, HV, K, V] snapshots written by the decode step.
+    state_indices: [N] int32 slots (-1: padding).
+    num_accepted: [N] int32 accepted draft tokens per request, 1..D.
+
+  Returns:
+    The updated cache, [S, HV, K, V] in state.dtype.
+  """
+  _checks.check_accept(state, intermediate_states, state_indices, num_accepted)
+  S, D = intermediate_states.shape[:2]
+  idx = state_indices.astype(jnp.int32)
+  n = num_accepted.astype(jnp.int32)
+  valid = (idx >= 0) & (idx < S) & (n >= 1) & (n <= D)
+  # jnp reads index -1 as the last slot: gather from a clipped index, then drop invalid rows by
+  # scattering them to S, out of bounds.
+  rows = intermediate_states[jnp.where(valid, idx, 0), jnp.where(valid, n - 1, 0)]
+  return state.at[jnp.where(valid, idx, S)].set(rows.astype(state.dtype), mode="drop")

@@ -1,0 +1,151 @@
+"""The decode step: gated delta rule, walked token by token (ALGORITHM.md §6.1).
+
+Per (sequence n, value head hv), starting from S = initial state, cache slot, or zeros:
+
+    for each step t of the sequence:
+        S *= exp(g_t)                              (natural log, no cumsum)
+        d  = beta_t * (v_t - S^T k_t)              beta head-wise (scalar) or per V column
+        S += k_t d^T
+        o_t = S^T (scale * q_t)
+
+Grid: one flat axis of NV * N * HV programs (CUDA caps axes 1 and 2 at 65535; N * HV reaches
+that at N = 4096, HV = 16). Program i owns V-block i % NV of the [K, V] state of sequence
+n = (i // NV) // HV, value head hv = (i // NV) % HV, for the whole walk: the state never leaves
+registers between steps. Value head hv reads key/query head hv // (HV // H).
+
+Gated Delta Product decode reaches this kernel by folding the M Householder copies into the
+sequence (query on the last copy, decay on the first): STEPS_PER_TOKEN = M then tells where one
+draft token ends, and a snapshot of the state is stored there for speculative rollback.
+
+Parameters are ordered inputs, outputs, constexprs (jax_triton.triton_call appends one pointer
+per output after the inputs). Optional inputs arrive as placeholders switched off by a flag,
+since triton_call cannot pass None. A buffer updated in place (the cache, the snapshots) comes
+twice, as an input and as an output pointer: jax-triton 0.3.1 passes an aliased buffer that way,
+and a torch launcher passes the same tensor twice.
+"""
+import triton
+import triton.language as tl
+
+from ._common import l2norm_rows
+
+
+@triton.jit
+def fused_recurrent_fwd_kernel(
+    # inputs
+    q,              # [B, T, H, K]
+    k,              # [B, T, H, K]
+    v,              # [B, T, HV, V]
+    g,              # [B, T, HV] float32 log decays                  (USE_G)
+    beta,           # [B, T, HV] or [B, T, HV, V]                    (USE_BETA)
+    h0,             # [N, HV, K, V] initial state                    (USE_INITIAL_STATE)
+    state_in,       # [S, HV, K, V] cache                            (HAS_STATE)
+    inter_in,       # [S, NI, HV, K, V] per-draft-token snapshots    (STORE_INTERMEDIATE)
+    state_indices,  # [N] int32 cache slot per sequence               (HAS_STATE_INDICES)
+    cu_seqlens,     # [N+1] int32 sequence starts, B == 1             (IS_VARLEN)
+    scale,          # float32
+    T,              # tokens per sequence of the (packed) stream
+    S,              # cache slots (of `state_in`, else of `inter_in`)
+    # outputs
+    o,              # [B, T, HV, V] in v.dtype
+    ht,             # [N, HV, K, V] float32 final state             (STORE_FINAL_STATE)
+    state_out,      # the cache again, updated at its slots          (HAS_STATE)
+    inter_out,      # the snapshots again                            (STORE_INTERMEDIATE)
+    # sizes
+    H: tl.constexpr,
+    HV: tl.constexpr,
+    K: tl.constexpr,
+    V: tl.constexpr,
+    NI: tl.constexpr,
+    BK: tl.constexpr,
+    BV: tl.constexpr,
+    STEPS_PER_TOKEN: tl.constexpr,
+    # flags
+    USE_G: tl.constexpr,
+    USE_BETA: tl.constexpr,
+    IS_BETA_HEADWISE: tl.constexpr,
+    USE_QK_L2NORM: tl.constexpr,
+    USE_INITIAL_STATE: tl.constexpr,
+    STORE_FINAL_STATE: tl.constexpr,
+    HAS_STATE: tl.constexpr,
+    HAS_STATE_INDICES: tl.constexpr,
+    STORE_INTERMEDIATE: tl.constexpr,
+    IS_VARLEN: tl.constexpr,
+):
+  NV: tl.constexpr = triton.cdiv(V, BV)
+  i_flat = tl.program_id(0)
+  i_v = i_flat % NV
+  i_nh = i_flat // NV
+  i_n = i_nh // HV
+  i_hv = i_nh % HV
+  i_h = i_hv // (HV // H)
+
+  # int64 throughout: a token offset times HV*V, or a slot times HV*K*V (S=1024, HV=32, K=128,
+  # V=512 is already 2**31 cache elements), overflows int32.
+  if IS_VARLEN:
+    bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+    eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
+  else:
+    bos = i_n.to(tl.int64) * T
+    eos = bos + T
+  if HAS_STATE_INDICES:
+    slot = tl.load(state_indices + i_n).to(tl.int64)
+  else:
+    slot = i_n.to(tl.int64)
+  # A slot outside [0, S) is padding (-1 by convention): it must read and write nothing, and an
+  # out-of-range index from a caller must not reach memory outside the cache.
+  is_pad = (slot < 0) | (slot >= S)
+
+  o_k = tl.arange(0, BK)
+  o_v = i_v * BV + tl.arange(0, BV)
+  mask_k = o_k < K
+  mask_v = o_v < V
+  mask_h = mask_k[:, None] & mask_v[None, :]
+  p_kv = o_k[:, None] * V + o_v[None, :]  # offsets inside one [K, V] state
+
+  if HAS_STATE or STORE_INTERMEDIATE:
+    if is_pad:
+      zero = tl.zeros([BV], dtype=tl.float32).to(o.dtype.element_ty)
+      for s in range(0, eos - bos):
+        tl.store(o + ((bos + s) * HV + i_hv) * V + o_v, zero, mask=mask_v)
+      return
+
+  b_h = tl.zeros([BK, BV], dtype=tl.float32)
+  if HAS_STATE:
+    p_state = (slot * HV + i_hv) * K * V + p_kv
+    b_h = tl.load(state_in + p_state, mask=mask_h, other=0.).to(tl.float32)
+  elif USE_INITIAL_STATE:
+    b_h = tl.load(h0 + (i_n.to(tl.int64) * HV + i_hv) * K * V + p_kv, mask=mask_h,
+                  other=0.).to(tl.float32)
+
+  for s in range(0, eos - bos):
+    t = bos + s
+    b_q = tl.load(q + (t * H + i_h) * K + o_k, mask=mask_k, other=0.).to(tl.float32)
+    b_k = tl.load(k + (t * H + i_h) * K + o_k, mask=mask_k, other=0.).to(tl.float32)
+    b_v = tl.load(v + (t * HV + i_hv) * V + o_v, mask=mask_v, other=0.).to(tl.float32)
+    if USE_QK_L2NORM:
+      b_q = l2norm_rows(b_q)
+      b_k = l2norm_rows(b_k)
+    b_q = b_q * scale
+    if USE_G:
+      b_h *= tl.exp(tl.load(g + t * HV + i_hv).to(tl.float32))
+    b_v -= tl.sum(b_h * b_k[:, None], 0)
+    if USE_BETA:
+      if IS_BETA_HEADWISE:
+        b_v *= tl.load(beta + t * HV + i_hv).to(tl.float32)
+      else:
+        b_v *= tl.load(beta + (t * HV + i_hv) * V + o_v, mask=mask_v, other=0.).to(tl.float32)
+    b_h += b_k[:, None] * b_v[None, :]
+    b_o = tl.sum(b_h * b_q[:, None], 0)
+    tl.store(o + (t * HV + i_hv) * V + o_v, b_o.to(o.dtype.element_ty), mask=mask_v)
+    if STORE_INTERMEDIATE:
+      # After the last of a draft token's STEPS_PER_TOKEN steps; the mask, not a branch, keeps the
+      # loop body uniform.
+      i_tok = (s + 1) // STEPS_PER_TOKEN - 1
+      p_int = ((slot * NI + i_tok) * HV + i_hv) * K * V + p_kv
+      tl.store(inter_out + p_int, b_h.to(inter_out.dtype.element_ty),
+               mask=mask_h & ((s + 1) % STEPS_PER_TOKEN == 0))
+
+  if HAS_STATE:
+    tl.store(state_out + p_state, b_h.to(state_out.dtype.element_ty), mask=mask_h)
+  elif STORE_FINAL_STATE:
+    tl.store(ht + (i_n.to(tl.int64) * HV + i_hv) * K * V + p_kv, b_h, mask=mask_h)
