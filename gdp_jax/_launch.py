@@ -51,9 +51,11 @@ def _kernels_module(interpret: bool):
   return mod
 
 
-def _resolve_kernel(name: str, interpret: bool):
-  module_name, fn_name = name.rsplit(".", 1)
+def _resolve_kernel(name, interpret: bool):
   mod = _kernels_module(interpret)
+  if not isinstance(name, str):
+    return name  # a @triton.jit function given directly (tests)
+  module_name, fn_name = name.rsplit(".", 1)
   return getattr(importlib.import_module(f"{mod.__name__}.{module_name}"), fn_name)
 
 
@@ -73,7 +75,7 @@ def _is_array(x) -> bool:
 
 
 def call(
-    kernel: str,
+    kernel,
     *args,
     grid: tuple[int, ...],
     out_shape: Sequence[jax.ShapeDtypeStruct],
@@ -86,7 +88,8 @@ def call(
   """Launches `gdp_kernels.<kernel>` on `grid`.
 
   Args:
-    kernel: "module.function" inside gdp_kernels, e.g. "fused_recurrent.fused_recurrent_fwd_kernel".
+    kernel: "module.function" inside gdp_kernels, e.g. "fused_recurrent.fused_recurrent_fwd_kernel",
+      or a @triton.jit function.
     *args: the kernel's inputs in order: arrays, and scalars (ints, floats).
     grid: static launch grid, at most 3 axes (axes 1 and 2 are capped at 65535 by CUDA).
     out_shape: one ShapeDtypeStruct per output pointer, in the kernel's order.
@@ -203,8 +206,32 @@ def _poison(s: jax.ShapeDtypeStruct) -> np.ndarray:
   return np.full(s.shape, np.nan, dt)
 
 
+def _round_bf16_to_nearest_even():
+  """Makes the interpreter round float32 -> bfloat16 to nearest even, as the GPU does.
+
+  Triton's interpreter (3.6 to 3.9) truncates the mantissa in that cast, so a bf16 store would
+  differ from the compiled kernel's in the last bit and interpreter tests could not compare bf16
+  outputs bit for bit. ml_dtypes (a jax dependency) does the correctly rounded cast.
+  """
+  import ml_dtypes
+  import triton.language as tl
+  from triton.runtime import interpreter as ti
+  cast = ti.InterpreterBuilder.cast_impl
+  if getattr(cast, "_rne", False):
+    return
+
+  def cast_impl(self, src, dst_type):
+    if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16:
+      return ti.TensorHandle(src.data.astype(ml_dtypes.bfloat16).view(np.uint16), dst_type.scalar)
+    return cast(self, src, dst_type)
+
+  cast_impl._rne = True
+  ti.InterpreterBuilder.cast_impl = cast_impl
+
+
 def _interpret(kernel, args, grid, out_shape, aliases, constexprs):
   fn = _resolve_kernel(kernel, interpret=True)
+  _round_bf16_to_nearest_even()
   positions = [i for i, a in enumerate(args) if _is_array(a)]
   inv = {o: i for i, o in aliases.items()}
 

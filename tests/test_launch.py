@@ -1,0 +1,101 @@
+"""The launch module end to end, on a tiny kernel that updates rows of an aliased cache.
+
+On a CPU it runs through Triton's interpreter inside jax.pure_callback; on a GPU (`-m gpu`)
+through jax_triton, where the donated cache must also keep its device buffer.
+"""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import triton
+import triton.language as tl
+
+from conftest import KERNEL_BACKEND
+from gdp_jax import _launch
+from helpers import bits_equal
+
+
+@triton.jit
+def _scaled_row_update_kernel(
+    x,          # [N, D] rows to add
+    idx,        # [N] int32 cache rows (outside [0, S): skipped)
+    cache_in,   # [S, D]
+    scale, S,
+    y,          # [N, D] = scale * x (fresh output)
+    cache_out,  # [S, D], cache_in updated at idx
+    D: tl.constexpr,
+    BD: tl.constexpr,
+):
+  i = tl.program_id(0)
+  o = tl.arange(0, BD)
+  m = o < D
+  b_x = tl.load(x + i * D + o, mask=m).to(tl.float32)
+  tl.store(y + i * D + o, (b_x * scale).to(y.dtype.element_ty), mask=m)
+  row = tl.load(idx + i).to(tl.int64)
+  if (row >= 0) & (row < S):
+    b_c = tl.load(cache_in + row * D + o, mask=m).to(tl.float32)
+    tl.store(cache_out + row * D + o, (b_c + b_x).to(cache_out.dtype.element_ty), mask=m)
+
+
+def _run(x, idx, cache, scale, backend):
+  N, D = x.shape
+  return _launch.call(
+      _scaled_row_update_kernel, x, idx, cache, scale, cache.shape[0], grid=(N,),
+      out_shape=[jax.ShapeDtypeStruct(x.shape, x.dtype), jax.ShapeDtypeStruct(cache.shape, cache.dtype)],
+      backend=backend, input_output_aliases={2: 1}, D=D, BD=triton.next_power_of_2(D))
+
+
+def _case(dtype, seed=0):
+  rng = np.random.default_rng(seed)
+  S, N, D = 7, 3, 10
+  x = jnp.asarray(rng.standard_normal((N, D)), dtype)
+  cache = rng.standard_normal((S, D)).astype(np.float32)
+  cache[[0, 2, 6]] = np.nan  # rows nobody addresses must come back bit-identical
+  idx = jnp.asarray([5, -1, 1], jnp.int32)
+  return x, idx, jnp.asarray(cache, dtype)
+
+
+def _check(x, idx, cache, y, new_cache, scale):
+  np.testing.assert_array_equal(np.asarray(y, np.float32),
+                                np.asarray((x.astype(jnp.float32) * np.float32(scale)).astype(x.dtype), np.float32))
+  expect = np.asarray(cache, np.float32).copy()
+  for i, r in enumerate(np.asarray(idx)):
+    if 0 <= r < cache.shape[0]:
+      expect[r] = np.asarray((cache[r].astype(jnp.float32) + x[i].astype(jnp.float32)).astype(cache.dtype), np.float32)
+  assert bits_equal(np.asarray(new_cache, np.float32), expect)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["fp32", "bf16"])
+def test_aliased_cache_interpret(dtype):
+  x, idx, cache = _case(dtype)
+  y, new_cache = jax.jit(lambda x, i, c: _run(x, i, c, 0.5, "interpret"))(x, idx, cache)
+  _check(x, idx, cache, y, new_cache, 0.5)
+
+
+def test_interpret_poisons_fresh_outputs():
+  # A program that skips its row must leave NaN behind, so a test can catch it.
+  x, idx, cache = _case(jnp.float32)
+  y, _ = _launch.call(
+      _scaled_row_update_kernel, x, idx, cache, 1.0, cache.shape[0], grid=(1,),
+      out_shape=[jax.ShapeDtypeStruct(x.shape, x.dtype), jax.ShapeDtypeStruct(cache.shape, cache.dtype)],
+      backend="interpret", input_output_aliases={2: 1}, D=x.shape[1], BD=16)
+  assert np.all(np.isfinite(np.asarray(y[0]))) and np.all(np.isnan(np.asarray(y[1:])))
+
+
+def test_launch_rejects_bad_grid():
+  x, idx, cache = _case(jnp.float32)
+  with pytest.raises(ValueError, match="grid"):
+    _launch.call(_scaled_row_update_kernel, x, idx, cache, 1.0, 7, grid=(1, 70000),
+                 out_shape=[jax.ShapeDtypeStruct(x.shape, x.dtype)], backend="interpret", D=10, BD=16)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["fp32", "bf16"])
+def test_aliased_cache_triton_donated(dtype):
+  x, idx, cache = _case(dtype)
+  expect_cache = cache.copy()
+  step = jax.jit(lambda x, i, c: _run(x, i, c, 0.5, "triton"), donate_argnums=2)
+  ptr = cache.unsafe_buffer_pointer()
+  y, new_cache = step(x, idx, cache)
+  assert new_cache.unsafe_buffer_pointer() == ptr, "the donated cache moved to another buffer"
+  _check(x, idx, expect_cache, y, new_cache, 0.5)
