@@ -1,0 +1,294 @@
+"""The decode kernel (fused recurrent step, GDP decode, draft acceptance) against the references.
+
+One shape table and one body, run through the Triton interpreter on a CPU and through jax_triton
+on a GPU (`-m gpu` adds realistic shapes). The oracle is the float64 `lax.scan` reference on the
+same (rounded) inputs. Caches are poisoned: slots nobody addresses hold NaN and must come back
+bit-identical, padding outputs must be exactly zero.
+"""
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import gdp_jax
+from conftest import KERNEL_BACKEND
+from gdp_jax import reference
+from helpers import RTOL, assert_close, bits_equal
+
+f64 = jnp.float64
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+  B: int = 2
+  T: int = 5
+  H: int = 1
+  HV: int = 2
+  K: int = 20
+  V: int = 12
+  dtype: str = "float32"
+  use_g: bool = True
+  beta: str = "head"            # "head", "elem" or "none"
+  l2norm: bool = False
+  init: bool = False            # dense initial state
+  final: bool = True            # output_final_state (dense)
+  cache: str = ""               # "", "slots" (S > N, permuted, with -1 and out of range), "plain"
+  varlen: tuple = ()            # sequence lengths, packed (B == 1); slack tokens follow
+  spt: int = 0                  # steps_per_token with intermediate_states (0: none)
+
+  @property
+  def id(self):
+    s = f"B{self.B}-T{self.T}-H{self.H}-HV{self.HV}-K{self.K}-V{self.V}-{self.dtype}"
+    s += "" if self.use_g else "-nog"
+    s += f"-beta_{self.beta}" + ("-l2" if self.l2norm else "") + ("-h0" if self.init else "")
+    s += f"-cache_{self.cache}" if self.cache else ""
+    s += f"-varlen{'_'.join(map(str, self.varlen))}" if self.varlen else ""
+    s += f"-spt{self.spt}" if self.spt else ""
+    return s
+
+
+CASES = [
+    Case(),
+    Case(H=2, HV=4, K=16, V=8, init=True),
+    Case(K=100, V=16, beta="elem", l2norm=True),
+    Case(use_g=False, beta="none", init=True),
+    Case(dtype="bfloat16", l2norm=True),
+    Case(B=3, cache="slots", T=4, spt=2),
+    Case(B=3, cache="plain", T=3, spt=1, beta="elem"),
+    Case(B=1, T=12, varlen=(3, 0, 6, 1), cache="slots"),
+    Case(B=1, T=9, varlen=(4, 2), init=True, l2norm=True),
+    Case(B=2, T=1, H=2, HV=2, K=32, V=32),
+]
+GPU_CASES = [
+    Case(B=8, T=3, H=4, HV=8, K=128, V=128, cache="slots", spt=1, l2norm=True),
+    Case(B=8, T=2, H=2, HV=4, K=256, V=512, dtype="bfloat16", cache="slots", spt=2, l2norm=True),
+    Case(B=1, T=300, H=4, HV=8, K=128, V=128, varlen=(100, 0, 150, 1), init=True),
+]
+
+
+def make_inputs(c: Case, seed):
+  rng = np.random.default_rng(seed)
+  dt = jnp.dtype(c.dtype)
+  N = len(c.varlen) if c.varlen else c.B
+  a = dict(
+      q=rng.standard_normal((c.B, c.T, c.H, c.K)),
+      k=rng.standard_normal((c.B, c.T, c.H, c.K)),
+      v=rng.standard_normal((c.B, c.T, c.HV, c.V)),
+  )
+  if not c.l2norm:  # unnormalised keys let the state blow up and prove nothing
+    a["k"] /= np.linalg.norm(a["k"], axis=-1, keepdims=True)
+  a = {n: jnp.asarray(x, dt) for n, x in a.items()}
+  a["g"] = jnp.asarray(-rng.exponential(0.5, (c.B, c.T, c.HV)), jnp.float32) if c.use_g else None
+  if c.beta == "head":
+    a["beta"] = jnp.asarray(rng.uniform(0, 2, (c.B, c.T, c.HV)), dt)
+  elif c.beta == "elem":
+    a["beta"] = jnp.asarray(rng.uniform(0, 2, (c.B, c.T, c.HV, c.V)), dt)
+  else:
+    a["beta"] = None
+  kw = dict(use_qk_l2norm_in_kernel=c.l2norm)
+  if c.varlen:
+    cu = np.concatenate([[0], np.cumsum(c.varlen)])
+    assert cu[-1] <= c.T
+    kw["cu_seqlens"] = jnp.asarray(cu, jnp.int32)
+  if c.init:
+    kw["initial_state"] = jnp.asarray(rng.standard_normal((N, c.HV, c.K, c.V)), jnp.float32)
+  if c.cache:
+    S = N + 3 if c.cache == "slots" else N
+    cache = rng.standard_normal((S, c.HV, c.K, c.V)).astype(np.float32)
+    if c.cache == "slots":
+      slots = rng.permutation(S)[:N].astype(np.int32)
+      slots[0] = -1
+      if N > 2:
+        slots[-1] = S + 7  # out of range: padding too, and must not be written
+      untouched = np.setdiff1d(np.arange(S), slots)
+      cache[untouched] = np.nan
+      kw["state_indices"] = jnp.asarray(slots)
+    kw["state"] = jnp.asarray(cache, jnp.float32)
+    if c.spt:
+      NI = c.T // c.spt
+      kw["intermediate_states"] = jnp.asarray(np.full((S, NI, c.HV, c.K, c.V), np.nan), jnp.float32)
+      kw["steps_per_token"] = c.spt
+  else:
+    kw["output_final_state"] = c.final
+  return a, kw
+
+
+def _upcast(tree):
+  up = lambda x: x.astype(f64) if hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.floating) else x
+  return jax.tree.map(up, tree)
+
+
+def check_fused_recurrent(c: Case, backend, seed=0):
+  a, kw = make_inputs(c, seed)
+  out = gdp_jax.fused_recurrent_gated_delta_rule(**a, **kw, backend=backend)
+  ref = reference.fused_recurrent_gated_delta_rule(**_upcast(a), **_upcast(kw))
+  tol = RTOL[c.dtype]
+  o, o_ref = out[0], ref[0]
+  assert o.dtype == a["v"].dtype and o.shape == (c.B, c.T, c.HV, c.V)
+  pad = np.zeros(c.B if not c.varlen else len(c.varlen), bool)
+  if "state_indices" in kw:
+    si = np.asarray(kw["state_indices"])
+    pad = (si < 0) | (si >= kw["state"].shape[0])
+  # Padding sequences and slack tokens: exactly zero.
+  o_np = np.asarray(o, np.float32)
+  if c.varlen:
+    cu = np.asarray(kw["cu_seqlens"])
+    for n in np.nonzero(pad)[0]:
+      assert np.all(o_np[0, cu[n]:cu[n + 1]] == 0)
+    assert np.all(o_np[0, cu[-1]:] == 0)
+  else:
+    assert np.all(o_np[pad] == 0)
+  assert_close("o", o_ref, o, tol)
+  state_tol = 1e-5 if c.dtype == "float32" else 1e-2
+  if "state" in kw:
+    new, new_ref = np.asarray(out[1]), np.asarray(ref[1])
+    live = np.zeros(new.shape[0], bool)
+    si = np.asarray(kw.get("state_indices", np.arange(len(pad))))
+    live[si[~pad]] = True
+    assert bits_equal(new[~live], np.asarray(kw["state"])[~live]), "unaddressed slots changed"
+    assert_close("state", new_ref[live], new[live], state_tol)
+    if "intermediate_states" in kw:
+      inter, inter_ref = np.asarray(out[2]), np.asarray(ref[2])
+      assert bits_equal(inter[~live], np.asarray(kw["intermediate_states"])[~live])
+      assert_close("intermediate_states", inter_ref[live], inter[live], state_tol)
+  elif c.final:
+    assert out[1].dtype == jnp.float32
+    assert_close("final_state", ref[1], out[1], state_tol)
+  else:
+    assert out[1] is None
+
+
+@pytest.mark.parametrize("c", CASES, ids=lambda c: c.id)
+def test_fused_recurrent(c):
+  check_fused_recurrent(c, KERNEL_BACKEND)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("c", GPU_CASES, ids=lambda c: c.id)
+def test_fused_recurrent_gpu(c):
+  check_fused_recurrent(c, "triton", seed=1)
+
+
+def gdp_inputs(N, D, M, H, HV, K, V, S, dtype, seed):
+  rng = np.random.default_rng(seed)
+  k = rng.standard_normal((N, D * M, H, K))
+  k /= np.linalg.norm(k, axis=-1, keepdims=True)
+  dt = jnp.dtype(dtype)
+  slots = rng.permutation(S)[:N].astype(np.int32)
+  slots[N // 2] = -1
+  cache = rng.standard_normal((S, HV, K, V)).astype(np.float32)
+  cache[np.setdiff1d(np.arange(S), slots)] = np.nan
+  return dict(
+      q=jnp.asarray(rng.standard_normal((N, D, H, K)), dt), k=jnp.asarray(k, dt),
+      v=jnp.asarray(rng.standard_normal((N, D * M, HV, V)), dt),
+      g=jnp.asarray(-rng.exponential(0.5, (N, D, HV)), jnp.float32),
+      beta=jnp.asarray(rng.uniform(0, 2, (N, D * M, HV)), dt),
+      state=jnp.asarray(cache), state_indices=jnp.asarray(slots),
+      intermediate_states=jnp.asarray(np.full((S, D, HV, K, V), np.nan, np.float32)))
+
+
+def check_gdp_decode(N, D, M, H, HV, K, V, S, dtype, backend):
+  a = gdp_inputs(N, D, M, H, HV, K, V, S, dtype, seed=D * 10 + M)
+  o, state, inter = gdp_jax.gated_delta_product_decode(**a, num_householder=M, backend=backend)
+  o_ref, state_ref, inter_ref = reference.gated_delta_product_decode(
+      **_upcast(a), num_householder=M)
+  slots = np.asarray(a["state_indices"])
+  live = np.zeros(S, bool)
+  live[slots[slots >= 0]] = True
+  tol = RTOL[dtype]
+  assert o.shape == (N, D, HV, V)
+  assert np.all(np.asarray(o, np.float32)[slots < 0] == 0)
+  assert_close("o", o_ref, o, tol)
+  assert bits_equal(np.asarray(state)[~live], np.asarray(a["state"])[~live])
+  assert_close("state", np.asarray(state_ref)[live], np.asarray(state)[live], 1e-5 if dtype == "float32" else 1e-2)
+  assert_close("intermediate", np.asarray(inter_ref)[live], np.asarray(inter)[live], 1e-5 if dtype == "float32" else 1e-2)
+  # The last snapshot is the state the step wrote.
+  assert bits_equal(np.asarray(inter)[live, D - 1], np.asarray(state)[live])
+  # Roll back to every accepted prefix length; padding slots and unaddressed slots stay put.
+  for n in range(1, D + 1):
+    num = jnp.full((N,), n, jnp.int32)
+    rolled = gdp_jax.accept_draft_tokens(state, inter, a["state_indices"], num)
+    rolled_ref = reference.accept_draft_tokens(state, inter, a["state_indices"], num)
+    assert bits_equal(rolled, rolled_ref)
+    assert bits_equal(np.asarray(rolled)[live], np.asarray(inter)[live, n - 1])
+    assert bits_equal(np.asarray(rolled)[~live], np.asarray(a["state"])[~live])
+
+
+GDP_CASES = [(3, 1, 2, 1, 2, 16, 8, 5, "float32"), (4, 2, 3, 2, 4, 16, 8, 6, "float32"),
+             (3, 4, 1, 1, 1, 8, 8, 3, "float32"), (2, 3, 2, 1, 2, 16, 16, 4, "bfloat16")]
+
+
+@pytest.mark.parametrize("case", GDP_CASES, ids=lambda c: "N{}-D{}-M{}-H{}-HV{}-K{}-V{}-S{}-{}".format(*c))
+def test_gdp_decode_and_accept(case):
+  check_gdp_decode(*case, backend=KERNEL_BACKEND)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", [(64, 4, 2, 16, 32, 128, 128, 256, "float32"),
+                                  (16, 2, 2, 6, 6, 256, 512, 20, "bfloat16")],
+                         ids=lambda c: "N{}-D{}-M{}-H{}-HV{}-K{}-V{}-S{}-{}".format(*c))
+def test_gdp_decode_and_accept_gpu(case):
+  check_gdp_decode(*case, backend="triton")
+
+
+def test_accept_skips_invalid_counts_and_slots():
+  S, D, HV, K, V = 4, 3, 1, 2, 2
+  rng = np.random.default_rng(0)
+  state = jnp.asarray(rng.standard_normal((S, HV, K, V)), jnp.float32)
+  inter = jnp.asarray(rng.standard_normal((S, D, HV, K, V)), jnp.float32)
+  slots = jnp.asarray([0, -1, 2, 9], jnp.int32)
+  num = jnp.asarray([0, 1, 4, 2], jnp.int32)  # 0 and 4 are outside 1..D
+  assert bits_equal(gdp_jax.accept_draft_tokens(state, inter, slots, num), state)
+
+
+def test_decode_matches_prefill_continuation():
+  """Prefill L tokens into a cache, then decode one: equals prefill of L+1 tokens (references)."""
+  rng = np.random.default_rng(3)
+  L, M, H, HV, K, V = 7, 2, 1, 2, 8, 4
+  k = rng.standard_normal((1, (L + 1) * M, H, K))
+  k /= np.linalg.norm(k, axis=-1, keepdims=True)
+  q = jnp.asarray(rng.standard_normal((1, L + 1, H, K)))
+  k = jnp.asarray(k)
+  v = jnp.asarray(rng.standard_normal((1, (L + 1) * M, HV, V)))
+  g = jnp.asarray(-rng.exponential(0.5, (1, L + 1, HV)))
+  beta = jnp.asarray(rng.uniform(0, 2, (1, (L + 1) * M, HV)))
+  o_all, _ = reference.chunk_gated_delta_product(q, k, v, g, beta, num_householder=M)
+  cache = jnp.zeros((2, HV, K, V), f64)
+  slots = jnp.asarray([1], jnp.int32)
+  _, cache = gdp_jax.chunk_gated_delta_product(
+      q[:, :L], k[:, :L * M], v[:, :L * M], g[:, :L], beta[:, :L * M], num_householder=M,
+      state=cache, state_indices=slots, backend="reference")
+  o_step, _ = gdp_jax.gated_delta_product_decode(
+      q[:, L:], k[:, L * M:], v[:, L * M:], g[:, L:], beta[:, L * M:], num_householder=M,
+      state=cache.astype(jnp.float32), state_indices=slots, backend=KERNEL_BACKEND)
+  assert_close("o", o_all[:, L:], o_step, 1e-5)
+
+
+def test_jitted_decode_loop_equals_steps():
+  """A lax.scan of decode steps with the cache carried equals the same steps one by one."""
+  N, M, H, HV, K, V, S, steps = 2, 2, 1, 2, 8, 8, 3, 4
+  rng = np.random.default_rng(5)
+  ks = rng.standard_normal((steps, N, M, H, K))
+  ks /= np.linalg.norm(ks, axis=-1, keepdims=True)
+  xs = dict(q=jnp.asarray(rng.standard_normal((steps, N, 1, H, K)), jnp.float32),
+            k=jnp.asarray(ks, jnp.float32),
+            v=jnp.asarray(rng.standard_normal((steps, N, M, HV, V)), jnp.float32),
+            g=jnp.asarray(-rng.exponential(0.5, (steps, N, 1, HV)), jnp.float32),
+            beta=jnp.asarray(rng.uniform(0, 1, (steps, N, M, HV)), jnp.float32))
+  slots = jnp.asarray([2, 0], jnp.int32)
+  cache0 = jnp.asarray(rng.standard_normal((S, HV, K, V)), jnp.float32)
+
+  def step(cache, x):
+    o, cache = gdp_jax.gated_delta_product_decode(
+        x["q"], x["k"], x["v"], x["g"], x["beta"], num_householder=M, state=cache,
+        state_indices=slots, backend=KERNEL_BACKEND)
+    return cache, o
+
+  cache_loop, o_loop = jax.jit(lambda c: jax.lax.scan(step, c, xs), donate_argnums=0)(cache0.copy())
+  cache = cache0
+  for i in range(steps):
+    cache, o = step(cache, jax.tree.map(lambda x: x[i], xs))
+    assert bits_equal(o_loop[i], o)
+  assert bits_equal(cache_loop, cache)
