@@ -1,0 +1,424 @@
+"""Launches the chunked prefill kernels (ALGORITHM.md §4, §5, §7) and packages their results.
+
+`_chunk_gated_delta_product_fwd` is called by `gdp_jax.prefill.chunk_gated_delta_product` for
+the "triton" and "interpret" backends, after the inputs were checked and the defaults filled.
+It runs, per call:
+
+    stage 0  L2 norm of q and k (optional)                         jnp, fused by XLA
+    stage 1  Gu (token stream), Gx (expanded stream)               chunk_cumsum, twice
+    stage 2  A = strict_lower(beta K K^T decay)                    chunk_kkt
+    stage 3  Ai = (I + A)^-1                                       chunk_solve
+    stage 4  w, u                                                  chunk_wy
+    stage 5  h (chunk states), v_new, final state / cache          chunk_h
+    stage 6  o                                                     chunk_o
+
+Dense inputs [B, T, ...] are folded into one packed stream of B*T tokens with
+cu_seqlens = [0, T, 2T, ..] known at trace time, so one set of kernels serves both cases.
+With `cu_seqlens`, the chunk descriptors are built on the device with static upper bounds
+(§5.3): no host sync, and one compilation for every `cu_seqlens` value of a shape.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from gdp_jax import _launch
+
+# Chunk length on both streams. The solve kernel's 4x4 split of 16x16 blocks and the scan's
+# 64-row state tiles are written for exactly this value.
+BT = 64
+
+
+@dataclasses.dataclass(frozen=True)
+class _PrefillConfig:
+  """Block sizes and warps. Pinned, not autotuned: BK and BV set the summation order, and
+  repeat runs must be bitwise equal (ALGORITHM.md §10.4)."""
+  # Stage 1: 64 rows x all heads per program, a few hundred scalars; one warp is plenty.
+  cumsum_warps: int = 1
+  # Stage 2: K is swept in 64-wide slices, the width of one key tile of the scan (Megatron
+  # autotunes 32/64/128; any fixed choice is deterministic).
+  kkt_bk: int = 64
+  kkt_warps: int = 4
+  # Stage 3: sixteen 16x16 blocks and a 14-step loop; 4 warps cover a 64x64 chunk.
+  solve_warps: int = 4
+  # Stage 4: one 64x64 Ai block times 64-wide slices of K and V.
+  wy_bk: int = 64
+  wy_bv: int = 64
+  wy_warps: int = 4
+  # Stage 5: BV 64 when the scan has enough programs to fill the GPU and the state fits (K up
+  # to 128: two 64x64 float32 tiles); 32 for K > 128 (four tiles would spill) or when
+  # N*HV*ceil(V/64) programs would leave SMs idle (a long sequence with few heads).
+  h_bv_wide: int = 64
+  h_bv_narrow: int = 32
+  h_min_programs: int = 264  # two programs per SM of an H200 (132 SMs)
+  h_warps: int = 4
+  h_stages: int = 2
+  # Stage 6: 64 x 64 output tiles, K in 64-wide slices (the sources use {64, 128}).
+  o_bk: int = 64
+  o_bv: int = 64
+  o_warps: int = 4
+  o_stages: int = 2
+
+
+CONFIG = _PrefillConfig()
+
+
+def _h_block_v(cfg: _PrefillConfig, N: int, HV: int, K: int, V: int) -> int:
+  if K > 128:
+    return cfg.h_bv_narrow
+  if N * HV * -(-V // cfg.h_bv_wide) < cfg.h_min_programs:
+    return cfg.h_bv_narrow
+  return cfg.h_bv_wide
+
+
+def _next_pow2(x: int) -> int:
+  return 1 << max(0, (int(x) - 1).bit_length())
+
+
+def _chunk_descriptors(cu: jax.Array, n_max: int) -> jax.Array:
+  """(sequence, chunk) pairs of every 64-row chunk of the stream bounded by `cu`, on the device.
+
+  Args:
+    cu: [N+1] int32 sequence starts on one stream (tokens, or M * tokens for the expanded one).
+    n_max: static number of descriptors, an upper bound of the true count (§5.3).
+
+  Returns:
+    [n_max, 2] int32: descriptor j is (sequence, chunk within it), in sequence order; entries
+    past the true count are (-1, 0), which every per-chunk kernel skips.
+  """
+  n = cu.shape[0] - 1
+  counts = (cu[1:] - cu[:-1] + BT - 1) // BT
+  offs = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(counts).astype(jnp.int32)])
+  j = jnp.arange(n_max, dtype=jnp.int32)
+  # side="right" walks past empty sequences (equal consecutive offsets).
+  seq = jnp.searchsorted(offs[1:], j, side="right").astype(jnp.int32)
+  valid = j < offs[n]
+  local = j - offs[jnp.minimum(seq, n - 1)]
+  return jnp.stack([jnp.where(valid, seq, -1), jnp.where(valid, local, 0)], -1).astype(jnp.int32)
+
+
+def _chunk_offsets(cu: jax.Array) -> jax.Array:
+  """[N+1] int32: exclusive prefix sum of ceil(L_i / 64) with a leading 0."""
+  counts = (cu[1:] - cu[:-1] + BT - 1) // BT
+  return jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(counts).astype(jnp.int32)])
+
+
+def _dense_descriptors(B: int, L: int) -> np.ndarray:
+  """The descriptors of B sequences of L rows each, as a trace-time constant."""
+  nc = -(-L // BT)
+  seq = np.repeat(np.arange(B, dtype=np.int32), nc)
+  local = np.tile(np.arange(nc, dtype=np.int32), B)
+  return np.stack([seq, local], -1)
+
+
+def _placeholder(dtype=jnp.float32) -> jax.Array:
+  # triton_call cannot pass None: optional pointers get this plus a constexpr flag.
+  return jnp.zeros((1,), dtype)
+
+
+def _dot_precision(dtype) -> str:
+  # float32 inputs (interpret mode, references) need full-precision dots; 16-bit inputs take
+  # the tensor-core default, which is what "tf32" names for them.
+  return "ieee" if jnp.dtype(dtype) == jnp.float32 else "tf32"
+
+
+_INTERPRETER_PATCHED = False
+
+
+def _patch_interpreter_bf16_dot():
+  """Makes Triton's interpreter multiply bfloat16 operands as numbers, not as bit patterns.
+
+  The interpreter keeps bfloat16 tensors as uint16 bits, and its dot hands those straight to
+  np.matmul (seen with triton 3.9), so every bf16 tl.dot in interpret mode returns garbage. A
+  bf16 product is exact in float32, so widening the operands first gives the tensor-core
+  result up to summation order. Compiled kernels are not affected.
+  """
+  global _INTERPRETER_PATCHED
+  if _INTERPRETER_PATCHED:
+    return
+  from triton.runtime import interpreter  # pylint: disable=g-import-not-at-top
+  import triton.language as tl  # pylint: disable=g-import-not-at-top
+
+  original = interpreter.InterpreterBuilder.create_dot
+
+  def widen(x):
+    if x.dtype.scalar == tl.bfloat16:
+      return interpreter.TensorHandle((x.data.astype(np.uint32) << 16).view(np.float32),
+                                      tl.float32)
+    return x
+
+  @functools.wraps(original)
+  def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+    return original(self, widen(a), widen(b), d, input_precision, max_num_imprecise_acc)
+
+  interpreter.InterpreterBuilder.create_dot = create_dot
+  _INTERPRETER_PATCHED = True
+
+
+def _l2norm(x: jax.Array) -> jax.Array:
+  """Stage 0 (§4.2): x / sqrt(sum(x^2) + 1e-6) over features, in float32, stored as x.dtype."""
+  xf = x.astype(jnp.float32)
+  return (xf * jax.lax.rsqrt(jnp.sum(xf * xf, -1, keepdims=True) + 1e-6)).astype(x.dtype)
+
+
+# --- one function per stage; all arrays are packed (B folded into the token axis) ----------
+
+
+def _cumsum(g, cu, desc, *, M, backend):
+  """Stage 1: [T, HV] float32 natural-log decays -> [T*M, HV] chunk-local log2 cumsums."""
+  T, HV = g.shape
+  (g_cum,) = _launch.call(
+      "chunk_cumsum.chunk_cumsum_fwd_kernel", g, cu, desc,
+      grid=(desc.shape[0],),
+      out_shape=[jax.ShapeDtypeStruct((T * M, HV), jnp.float32)],
+      backend=backend, num_warps=CONFIG.cumsum_warps,
+      HV=HV, M=M, BT=BT, BHV=_next_pow2(HV))
+  return g_cum
+
+
+def _kkt(k, beta, gx, cu, desc, *, HV, M, backend):
+  """Stage 2: A [T*M, HV, 64] float32."""
+  TM, H, K = k.shape
+  (A,) = _launch.call(
+      "chunk_kkt.chunk_kkt_fwd_kernel", k, beta,
+      gx if gx is not None else _placeholder(), cu, desc,
+      grid=(desc.shape[0], HV),
+      out_shape=[jax.ShapeDtypeStruct((TM, HV, BT), jnp.float32)],
+      backend=backend, num_warps=CONFIG.kkt_warps,
+      H=H, HV=HV, K=K, M=M, BT=BT, BK=CONFIG.kkt_bk,
+      USE_G=gx is not None, DOT_PRECISION=_dot_precision(k.dtype))
+  return A
+
+
+def _solve(A, cu, desc, *, M, dtype, backend):
+  """Stage 3: Ai [T*M, HV, 64] = (I + A)^-1 per chunk, in `dtype`."""
+  TM, HV, _ = A.shape
+  (Ai,) = _launch.call(
+      "chunk_solve.chunk_solve_fwd_kernel", A, cu, desc,
+      grid=(desc.shape[0], HV),
+      out_shape=[jax.ShapeDtypeStruct((TM, HV, BT), dtype)],
+      backend=backend, num_warps=CONFIG.solve_warps,
+      HV=HV, M=M, BT=BT)
+  return Ai
+
+
+def _wy(k, v, beta, gx, Ai, cu, desc, *, M, backend):
+  """Stage 4: w [T*M, HV, K], u [T*M, HV, V] in k.dtype."""
+  TM, H, K = k.shape
+  _, HV, V = v.shape
+  w, u = _launch.call(
+      "chunk_wy.chunk_wy_fwd_kernel", k, v, beta,
+      gx if gx is not None else _placeholder(), Ai, cu, desc,
+      grid=(desc.shape[0], HV),
+      out_shape=[jax.ShapeDtypeStruct((TM, HV, K), k.dtype),
+                 jax.ShapeDtypeStruct((TM, HV, V), k.dtype)],
+      backend=backend, num_warps=CONFIG.wy_warps,
+      H=H, HV=HV, K=K, V=V, M=M, BT=BT, BK=CONFIG.wy_bk, BV=CONFIG.wy_bv,
+      USE_G=gx is not None, DOT_PRECISION=_dot_precision(k.dtype))
+  return w, u
+
+
+def _scan(k, w, u, gx, cu, chunk_offsets, n_rows, *, M, h0, state_indices, final_kind,
+          h_dtype, snap_dtype, backend):
+  """Stage 5: the inter-chunk scan.
+
+  Args:
+    k, w, u: [T*M, H, K], [T*M, HV, K], [T*M, HV, V].
+    gx: [T*M, HV] float32 or None.
+    cu, chunk_offsets: [N+1] int32.
+    n_rows: rows of the chunk-state outputs (static).
+    h0: None, an initial state [N, HV, K, V], or the cache [S, HV, K, V] (then final_kind is
+      "cache" and the updated cache is returned in its place).
+    state_indices: [N] int32 or None.
+    final_kind: "none", "dense" ([N, HV, K, V] float32) or "cache".
+    h_dtype: dtype of the chunk states read by stage 6.
+    snap_dtype: dtype of a second copy of the chunk states, or None for no copy.
+
+  Returns:
+    (h, h_snap or None, v_new, final or None).
+  """
+  TM, H, K = k.shape
+  _, HV, V = u.shape
+  N = cu.shape[0] - 1
+  bv = _h_block_v(CONFIG, N, HV, K, V)
+  out_shape = [
+      jax.ShapeDtypeStruct((n_rows, HV, K, V), h_dtype),
+      jax.ShapeDtypeStruct((n_rows, HV, K, V) if snap_dtype is not None else (1,),
+                           snap_dtype if snap_dtype is not None else jnp.float32),
+      jax.ShapeDtypeStruct((TM, HV, V), k.dtype),
+  ]
+  aliases = None
+  if final_kind == "cache":
+    out_shape.append(jax.ShapeDtypeStruct(h0.shape, h0.dtype))
+    aliases = {4: 3}  # argument 4 (h0, the cache) is output 3: in place when donated
+  elif final_kind == "dense":
+    out_shape.append(jax.ShapeDtypeStruct((N, HV, K, V), jnp.float32))
+  else:
+    out_shape.append(jax.ShapeDtypeStruct((1,), jnp.float32))
+  S = h0.shape[0] if h0 is not None else N
+  h, h_snap, v_new, ht = _launch.call(
+      "chunk_h.chunk_h_fwd_kernel", k, w, u,
+      gx if gx is not None else _placeholder(),
+      h0 if h0 is not None else _placeholder(),
+      state_indices if state_indices is not None else _placeholder(jnp.int32),
+      cu, chunk_offsets,
+      HV * K * V, K * V, S,
+      grid=(N * HV, -(-V // bv)),
+      out_shape=out_shape,
+      input_output_aliases=aliases,
+      backend=backend, num_warps=CONFIG.h_warps, num_stages=CONFIG.h_stages,
+      H=H, HV=HV, K=K, V=V, M=M, BT=BT, BV=bv,
+      USE_G=gx is not None, USE_INITIAL_STATE=h0 is not None,
+      STORE_FINAL_STATE=final_kind != "none", HAS_STATE_INDICES=state_indices is not None,
+      STORE_SNAPSHOT=snap_dtype is not None, DOT_PRECISION=_dot_precision(k.dtype))
+  return (h, h_snap if snap_dtype is not None else None, v_new,
+          ht if final_kind != "none" else None)
+
+
+def _output(q, k, v_new, h, gu, state_indices, S, cu, desc, *, M, scale, out_dtype, backend):
+  """Stage 6: o [T, HV, V] in out_dtype; rows of tokens outside every sequence are unwritten."""
+  T, H, K = q.shape
+  _, HV, V = v_new.shape
+  bv = CONFIG.o_bv
+  (o,) = _launch.call(
+      "chunk_o.chunk_o_fwd_kernel", q, k, v_new, h,
+      gu if gu is not None else _placeholder(),
+      state_indices if state_indices is not None else _placeholder(jnp.int32),
+      cu, desc, S, float(scale),
+      grid=(desc.shape[0], -(-V // bv), HV),
+      out_shape=[jax.ShapeDtypeStruct((T, HV, V), out_dtype)],
+      backend=backend, num_warps=CONFIG.o_warps, num_stages=CONFIG.o_stages,
+      H=H, HV=HV, K=K, V=V, M=M, BT=BT, BK=CONFIG.o_bk, BV=bv,
+      USE_G=gu is not None, HAS_STATE_INDICES=state_indices is not None,
+      DOT_PRECISION=_dot_precision(q.dtype))
+  return o
+
+
+def _chunk_gated_delta_product_fwd(
+    q, k, v, g, beta, *, num_householder, scale, initial_state, output_final_state,
+    use_qk_l2norm_in_kernel, cu_seqlens, state, state_indices, return_chunk_states,
+    chunk_states_dtype, backend):
+  """The chunked prefill on the Triton kernels; matches `gdp_jax.reference.chunk_gated_delta_product`.
+
+  Inputs were checked by the caller (`gdp_jax.prefill`); `scale` is a float.
+
+  Args:
+    q: [B, T, H, K] queries.
+    k: [B, T*M, H, K] keys of the Householder-expanded stream; token t owns rows t*M .. t*M+M-1.
+    v: [B, T*M, HV, V] values of the expanded stream.
+    g: [B, T, HV] natural-log decays, or None (no decay).
+    beta: [B, T*M, HV], or None (beta = 1).
+    num_householder: M.
+    scale: query scale.
+    initial_state: [N, HV, K, V] or None (zeros).
+    output_final_state: return the final state densely (ignored with `state`).
+    use_qk_l2norm_in_kernel: L2-normalise q and k rows first (in float32, stored in their dtype).
+    cu_seqlens: [N+1] int32 token-stream sequence starts (B == 1), or None (N = B).
+    state: [S, HV, K, V] cache read and written at `state_indices`, or None.
+    state_indices: [N] int32 slot per sequence (outside [0, S): padding), or None (slot n).
+    return_chunk_states: also return the state entering every 64-token chunk.
+    chunk_states_dtype: dtype of those; None: the cache's, else initial_state's, else k's.
+    backend: "triton" or "interpret".
+
+  Returns:
+    (o, final_state), plus chunk_states when `return_chunk_states`:
+      o: [B, T, HV, V] in v.dtype; zero for padding sequences and tokens past cu_seqlens[N].
+      final_state: the updated cache [S, HV, K, V] (cache dtype) with `state`; else
+        [N, HV, K, V] float32 when `output_final_state`; else None.
+      chunk_states: [B, ceil(T/64), HV, K, V] (dense) or [NC_max, HV, K, V] with
+        NC_max = min(T, T//64 + N) (packed; sequence n's chunk c at row chunk_offsets[n] + c,
+        rows past chunk_offsets[N] zero), in chunk_states_dtype.
+  """
+  if backend == "interpret":
+    _patch_interpreter_bf16_dot()
+  M = int(num_householder)
+  B, T, H, K = q.shape
+  HV, V = v.shape[2], v.shape[3]
+  dtype = k.dtype
+
+  if use_qk_l2norm_in_kernel:
+    q = _l2norm(q)
+    k = _l2norm(k)
+
+  # Fold the batch into one packed stream: every kernel indexes rows through cu_seqlens.
+  q = q.reshape(B * T, H, K)
+  k = k.reshape(B * T * M, H, K)
+  v = v.reshape(B * T * M, HV, V)
+  if beta is None:
+    beta = jnp.ones((B * T * M, HV), jnp.float32)
+  else:
+    beta = beta.reshape(B * T * M, HV)
+
+  if cu_seqlens is None:
+    N = B
+    cu = jnp.asarray(np.arange(B + 1, dtype=np.int32) * T)
+    n_c = -(-T // BT)
+    desc_t = jnp.asarray(_dense_descriptors(B, T))
+    desc_x = jnp.asarray(_dense_descriptors(B, T * M))
+    chunk_offsets = jnp.asarray(np.arange(B + 1, dtype=np.int32) * n_c)
+    n_rows = B * n_c
+  else:
+    N = cu_seqlens.shape[0] - 1
+    cu = cu_seqlens.astype(jnp.int32)
+    n_rows = min(T, T // BT + N)
+    desc_t = _chunk_descriptors(cu, n_rows)
+    desc_x = _chunk_descriptors(cu * M, min(T * M, (T * M) // BT + N))
+    chunk_offsets = _chunk_offsets(cu)
+
+  if g is not None:
+    g = g.reshape(B * T, HV).astype(jnp.float32)
+    gu = _cumsum(g, cu, desc_t, M=1, backend=backend)
+    gx = _cumsum(g, cu, desc_x, M=M, backend=backend)
+  else:
+    gu = gx = None
+
+  A = _kkt(k, beta, gx, cu, desc_x, HV=HV, M=M, backend=backend)
+  Ai = _solve(A, cu, desc_x, M=M, dtype=dtype, backend=backend)
+  w, u = _wy(k, v, beta, gx, Ai, cu, desc_x, M=M, backend=backend)
+
+  if state is not None:
+    h0, final_kind = state, "cache"
+    states_default = state.dtype
+  else:
+    h0 = initial_state
+    final_kind = "dense" if output_final_state else "none"
+    states_default = initial_state.dtype if initial_state is not None else dtype
+  # Stage 6 reads h and casts it to the input dtype. float32 or the input dtype itself round to
+  # the same bits there; any other snapshot dtype gets its own copy so o never depends on it.
+  snap_dtype = None
+  h_dtype = dtype
+  if return_chunk_states:
+    want = jnp.dtype(chunk_states_dtype if chunk_states_dtype is not None else states_default)
+    if want in (jnp.dtype(dtype), jnp.dtype(jnp.float32)):
+      h_dtype = want
+    else:
+      snap_dtype = want
+  h, h_snap, v_new, final = _scan(
+      k, w, u, gx, cu, chunk_offsets, n_rows, M=M, h0=h0, state_indices=state_indices,
+      final_kind=final_kind, h_dtype=h_dtype, snap_dtype=snap_dtype, backend=backend)
+
+  S = state.shape[0] if state is not None else N
+  o = _output(q, k, v_new, h, gu, state_indices, S, cu, desc_t, M=M, scale=scale,
+              out_dtype=v.dtype, backend=backend)
+
+  if cu_seqlens is not None:
+    # Tokens past cu_seqlens[N] belong to no sequence and no program writes them (§5.4); a
+    # select, so whatever the buffer held does not leak.
+    live = jnp.arange(T) < cu[N]
+    o = jnp.where(live[:, None, None], o, jnp.zeros((), o.dtype))
+  o = o.reshape(B, T, HV, V)
+
+  outputs = (o, final)
+  if return_chunk_states:
+    states = h_snap if h_snap is not None else h
+    if cu_seqlens is not None:
+      live = jnp.arange(n_rows) < chunk_offsets[N]
+      states = jnp.where(live[:, None, None, None], states, jnp.zeros((), states.dtype))
+    else:
+      states = states.reshape(B, n_c, HV, K, V)
+    outputs = outputs + (states,)
+  return outputs

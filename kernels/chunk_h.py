@@ -1,0 +1,224 @@
+"""Stage 5 of the chunked prefill: the inter-chunk state scan (h, v_new, final state).
+
+One program carries the [K, BV] column slice of the state S of one sequence and one value head
+in float32 registers, as up to four 64 x BV tiles (tiles past ceil(K/64) are compiled out; this
+layout is why K <= 256), and sweeps the sequence's NX expanded chunks in order
+(ALGORITHM.md §4.7):
+
+    S = S0 slice (zeros without an initial state, or for a padding slot)
+    for e in 0..NX-1:
+        if e % M == 0:  h[chunk_offset + e / M] = S        # entering state of token chunk e/M
+        D = u[rows] - w[rows] @ S                           # v_new, stored before any decay
+        if USE_G:  D *= 2^(Gx_last - Gx[rows]);  S *= 2^Gx_last
+        S += K[rows]^T @ D
+    final state = S
+
+The dots take w, K and the state in the input dtype and accumulate in float32. The checkpoint
+is written in the dtype of `h` (read back by stage 6) and, with STORE_SNAPSHOT, again in the
+dtype of `h_snap` (the caller's chunk_states dtype, when stage 6 cannot read that one without
+losing bits).
+
+The initial state comes from `h0` and the final state goes to `ht`: either a dense initial
+state [N, HV, K, V] and a dense float32 final state, both at row n, or the state cache
+[S, HV, K, V], passed twice by the caller (as `h0`, the input, and as `ht`, the aliased output),
+at row state_indices[n]. A slot outside [0, S) is padding: the program reads nothing, writes no
+final state, writes zero checkpoints and skips the scan (its v_new rows are left unwritten; stage
+6 zeroes the output of such a sequence without reading them).
+
+Grid: (N * HV, ceil(V / BV)). Program (i_nh, i_v) owns sequence i_nh // HV, value head
+i_nh % HV, columns i_v*BV .. i_v*BV + BV - 1. N * HV sits on axis 0, which has no 65535 cap.
+
+Parameter order: inputs, outputs, constexprs.
+"""
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _load_tile(p, i_t, o_k, o_v, mask_v, K: tl.constexpr, V: tl.constexpr):
+  """Rows 64*i_t .. 64*i_t + 63 of a [K, V] state at p, float32, zeros past K."""
+  o = i_t * 64 + o_k
+  return tl.load(p + o[:, None] * V + o_v[None, :], mask=(o < K)[:, None] & mask_v[None, :],
+                 other=0.).to(tl.float32)
+
+
+@triton.jit
+def _store_tile(p, b_h, i_t, o_k, o_v, mask_v, K: tl.constexpr, V: tl.constexpr):
+  o = i_t * 64 + o_k
+  tl.store(p + o[:, None] * V + o_v[None, :], b_h.to(p.dtype.element_ty),
+           mask=(o < K)[:, None] & mask_v[None, :])
+
+
+@triton.jit
+def _store_state(p, b_h1, b_h2, b_h3, b_h4, o_k, o_v, mask_v, K: tl.constexpr, V: tl.constexpr):
+  _store_tile(p, b_h1, 0, o_k, o_v, mask_v, K, V)
+  if K > 64:
+    _store_tile(p, b_h2, 1, o_k, o_v, mask_v, K, V)
+  if K > 128:
+    _store_tile(p, b_h3, 2, o_k, o_v, mask_v, K, V)
+  if K > 192:
+    _store_tile(p, b_h4, 3, o_k, o_v, mask_v, K, V)
+
+
+@triton.jit
+def _row_tile(p, row, mask_r, i_t, o_k, STRIDE: tl.constexpr, K: tl.constexpr):
+  """[BT, 64] slice (columns 64*i_t ..) of the rows `row` of a row-major [*, STRIDE] array."""
+  o = i_t * 64 + o_k
+  return tl.load(p + row[:, None] * STRIDE + o[None, :], mask=mask_r[:, None] & (o < K)[None, :],
+                 other=0.)
+
+
+@triton.jit
+def _row_tile_t(p, row, mask_r, i_t, o_k, STRIDE: tl.constexpr, K: tl.constexpr):
+  """The transpose of _row_tile: [64, BT]."""
+  o = i_t * 64 + o_k
+  return tl.load(p + row[None, :] * STRIDE + o[:, None], mask=mask_r[None, :] & (o < K)[:, None],
+                 other=0.)
+
+
+@triton.jit
+def chunk_h_fwd_kernel(
+    # inputs
+    k,              # [T*M, H, K] expanded-stream keys
+    w,              # [T*M, HV, K] WY factor, input dtype
+    u,              # [T*M, HV, V] WY factor, input dtype
+    g_cum,          # [T*M, HV] float32 Gx (log2 units); a placeholder when USE_G is False
+    h0,             # [N, HV, K, V] initial state, or [S, HV, K, V] cache; placeholder if unused
+    state_indices,  # [N] int32 slot per sequence; a placeholder without HAS_STATE_INDICES
+    cu_seqlens,     # [N+1] int32 token-stream sequence starts
+    chunk_offsets,  # [N+1] int32 first row of each sequence in h
+    stride_s,       # elements between rows (sequences or slots) of h0 and ht
+    stride_hv,      # elements between heads of h0 and ht; the [K, V] part is contiguous
+    S,              # slots of the cache: a slot outside [0, S) is padding
+    # outputs
+    h,              # [NCR, HV, K, V] entering state of every token chunk, read by stage 6
+    h_snap,         # [NCR, HV, K, V] the same in the chunk_states dtype (placeholder unless
+                    # STORE_SNAPSHOT)
+    v_new,          # [T*M, HV, V] input dtype
+    ht,             # final state: [N, HV, K, V] float32 or the cache (aliased to h0);
+                    # placeholder unless STORE_FINAL_STATE
+    # sizes
+    H: tl.constexpr,
+    HV: tl.constexpr,
+    K: tl.constexpr,
+    V: tl.constexpr,
+    M: tl.constexpr,
+    BT: tl.constexpr,  # 64; the state tiles are 64 rows of K whatever BT is
+    BV: tl.constexpr,
+    # flags
+    USE_G: tl.constexpr,
+    USE_INITIAL_STATE: tl.constexpr,
+    STORE_FINAL_STATE: tl.constexpr,
+    HAS_STATE_INDICES: tl.constexpr,
+    STORE_SNAPSHOT: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,  # "ieee" for float32 inputs, else the tensor-core default
+):
+  i_nh, i_v = tl.program_id(0), tl.program_id(1)
+  i_n = i_nh // HV
+  i_hv = i_nh % HV
+  i_h = i_hv // (HV // H)
+  # int64 throughout: row * HV*V, chunk * HV*K*V and slot * HV*K*V overflow int32 (a cache of
+  # S=1024, HV=32, K=128, V=512 is already 2**31 elements).
+  bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+  eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
+  n_c = tl.cdiv(eos - bos, BT)
+  n_x = tl.cdiv((eos - bos) * M, BT)
+  c0 = tl.load(chunk_offsets + i_n).to(tl.int64)
+  bos_x = bos * M
+  len_x = (eos - bos) * M
+
+  o_k = tl.arange(0, 64)
+  o_v = i_v * BV + tl.arange(0, BV)
+  mask_v = o_v < V
+  b_h1 = tl.zeros([64, BV], dtype=tl.float32)
+  b_h2 = tl.zeros([64, BV], dtype=tl.float32)
+  b_h3 = tl.zeros([64, BV], dtype=tl.float32)
+  b_h4 = tl.zeros([64, BV], dtype=tl.float32)
+
+  if HAS_STATE_INDICES:
+    i_s = tl.load(state_indices + i_n).to(tl.int64)
+    # Padding (-1, or any slot outside the cache): read nothing, write no final state; its
+    # checkpoints are defined as zeros.
+    if (i_s < 0) | (i_s >= S):
+      for i_c in range(0, n_c):
+        p_h = h + ((c0 + i_c) * HV + i_hv) * (K * V)
+        _store_state(p_h, b_h1, b_h2, b_h3, b_h4, o_k, o_v, mask_v, K, V)
+        if STORE_SNAPSHOT:
+          p_hs = h_snap + ((c0 + i_c) * HV + i_hv) * (K * V)
+          _store_state(p_hs, b_h1, b_h2, b_h3, b_h4, o_k, o_v, mask_v, K, V)
+      return
+  else:
+    i_s = i_n.to(tl.int64)
+
+  if USE_INITIAL_STATE:
+    p_h0 = h0 + i_s * stride_s + i_hv * stride_hv
+    b_h1 = _load_tile(p_h0, 0, o_k, o_v, mask_v, K, V)
+    if K > 64:
+      b_h2 = _load_tile(p_h0, 1, o_k, o_v, mask_v, K, V)
+    if K > 128:
+      b_h3 = _load_tile(p_h0, 2, o_k, o_v, mask_v, K, V)
+    if K > 192:
+      b_h4 = _load_tile(p_h0, 3, o_k, o_v, mask_v, K, V)
+
+  p_w = w + i_hv * K
+  p_k = k + i_h * K
+  for i_e in range(0, n_x):
+    if i_e % M == 0:
+      # Every M-th expanded chunk starts a token chunk (64cM is row 64c*M).
+      p_h = h + ((c0 + i_e // M) * HV + i_hv) * (K * V)
+      _store_state(p_h, b_h1, b_h2, b_h3, b_h4, o_k, o_v, mask_v, K, V)
+      if STORE_SNAPSHOT:
+        p_hs = h_snap + ((c0 + i_e // M) * HV + i_hv) * (K * V)
+        _store_state(p_hs, b_h1, b_h2, b_h3, b_h4, o_k, o_v, mask_v, K, V)
+
+    o_r = i_e * BT + tl.arange(0, BT)
+    mask_r = o_r < len_x
+    row = bos_x + o_r
+    b_w = _row_tile(p_w, row, mask_r, 0, o_k, HV * K, K)
+    b_wh = tl.dot(b_w, b_h1.to(b_w.dtype), input_precision=DOT_PRECISION)
+    if K > 64:
+      b_w = _row_tile(p_w, row, mask_r, 1, o_k, HV * K, K)
+      b_wh += tl.dot(b_w, b_h2.to(b_w.dtype), input_precision=DOT_PRECISION)
+    if K > 128:
+      b_w = _row_tile(p_w, row, mask_r, 2, o_k, HV * K, K)
+      b_wh += tl.dot(b_w, b_h3.to(b_w.dtype), input_precision=DOT_PRECISION)
+    if K > 192:
+      b_w = _row_tile(p_w, row, mask_r, 3, o_k, HV * K, K)
+      b_wh += tl.dot(b_w, b_h4.to(b_w.dtype), input_precision=DOT_PRECISION)
+
+    m_rv = mask_r[:, None] & mask_v[None, :]
+    off_v = row[:, None] * (HV * V) + i_hv * V + o_v[None, :]
+    b_v = tl.load(u + off_v, mask=m_rv, other=0.).to(tl.float32) - b_wh
+    # Stored before the decay scaling below: stage 6 applies its own decays.
+    tl.store(v_new + off_v, b_v.to(v_new.dtype.element_ty), mask=m_rv)
+
+    if USE_G:
+      i_last = tl.minimum(i_e * BT + BT, len_x) - 1
+      b_g_last = tl.load(g_cum + (bos_x + i_last) * HV + i_hv)
+      b_g = tl.load(g_cum + row * HV + i_hv, mask=mask_r, other=0.)
+      b_v = b_v * tl.where(mask_r, tl.exp2(b_g_last - b_g), 0.)[:, None]
+      b_decay = tl.exp2(b_g_last)
+      b_h1 *= b_decay
+      if K > 64:
+        b_h2 *= b_decay
+      if K > 128:
+        b_h3 *= b_decay
+      if K > 192:
+        b_h4 *= b_decay
+    b_v = b_v.to(k.dtype.element_ty)
+
+    b_h1 += tl.dot(_row_tile_t(p_k, row, mask_r, 0, o_k, H * K, K), b_v,
+                   input_precision=DOT_PRECISION)
+    if K > 64:
+      b_h2 += tl.dot(_row_tile_t(p_k, row, mask_r, 1, o_k, H * K, K), b_v,
+                     input_precision=DOT_PRECISION)
+    if K > 128:
+      b_h3 += tl.dot(_row_tile_t(p_k, row, mask_r, 2, o_k, H * K, K), b_v,
+                     input_precision=DOT_PRECISION)
+    if K > 192:
+      b_h4 += tl.dot(_row_tile_t(p_k, row, mask_r, 3, o_k, H * K, K), b_v,
+                     input_precision=DOT_PRECISION)
+
+  if STORE_FINAL_STATE:
+    p_ht = ht + i_s * stride_s + i_hv * stride_hv
+    _store_state(p_ht, b_h1, b_h2, b_h3, b_h4, o_k, o_v, mask_v, K, V)

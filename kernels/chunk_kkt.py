@@ -1,0 +1,72 @@
+"""Stage 2 of the chunked prefill: A = strictly-lower(beta * K K^T * decay) per expanded chunk.
+
+For expanded chunk rows a, b in 0..63 of one sequence and one value head hv (ALGORITHM.md §4.4):
+
+    A[a, b] = beta_a * <k_a, k_b> * 2^(Gx_a - Gx_b)   if a > b and both rows lie in the sequence
+            = 0                                         otherwise (diagonal included).
+
+Keys come from key head hv // (HV // H) (grouped value heads are contiguous); beta and Gx from hv.
+All 64 columns of every valid row are written, zeros included, so A is fully defined there; rows
+past the sequence end belong to the next sequence and are not touched.
+
+Grid: (number of expanded-chunk descriptors, HV). Program (i_d, i_hv) owns the 64x64 block of
+descriptor i_d and value head i_hv; a padding descriptor (sequence -1) returns at once.
+
+Parameter order: inputs, outputs, constexprs.
+"""
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def chunk_kkt_fwd_kernel(
+    # inputs
+    k,           # [T*M, H, K] expanded-stream keys
+    beta,        # [T*M, HV]
+    g_cum,       # [T*M, HV] float32 Gx (log2 units); a placeholder when USE_G is False
+    cu_seqlens,  # [N+1] int32 token-stream sequence starts
+    chunk_desc,  # [NXD, 2] int32 (sequence, expanded chunk within it); sequence -1 = padding
+    # outputs
+    A,           # [T*M, HV, BT] float32
+    # sizes
+    H: tl.constexpr,
+    HV: tl.constexpr,
+    K: tl.constexpr,
+    M: tl.constexpr,
+    BT: tl.constexpr,
+    BK: tl.constexpr,
+    # flags
+    USE_G: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,  # "ieee" for float32 inputs, else the tensor-core default
+):
+  i_d, i_hv = tl.program_id(0), tl.program_id(1)
+  i_h = i_hv // (HV // H)
+  i_n = tl.load(chunk_desc + 2 * i_d)
+  if i_n < 0:
+    return
+  i_c = tl.load(chunk_desc + 2 * i_d + 1)
+  # int64: row * H*K and row * HV*BT overflow int32 on long packed batches.
+  bos = tl.load(cu_seqlens + i_n).to(tl.int64) * M
+  eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64) * M
+
+  o_r = i_c * BT + tl.arange(0, BT)
+  o_c = tl.arange(0, BT)
+  mask_r = o_r < eos - bos
+  o_k = tl.arange(0, BK)
+
+  b_A = tl.zeros([BT, BT], dtype=tl.float32)
+  for i_k in range(tl.cdiv(K, BK)):
+    mask_k = i_k * BK + o_k < K
+    p_k = k + (bos + o_r)[:, None] * (H * K) + i_h * K + i_k * BK + o_k[None, :]
+    b_k = tl.load(p_k, mask=mask_r[:, None] & mask_k[None, :], other=0.)
+    b_A += tl.dot(b_k, tl.trans(b_k), input_precision=DOT_PRECISION)
+
+  b_beta = tl.load(beta + (bos + o_r) * HV + i_hv, mask=mask_r, other=0.).to(tl.float32)
+  m_A = (o_c[:, None] > o_c[None, :]) & mask_r[:, None]
+  if USE_G:
+    b_g = tl.load(g_cum + (bos + o_r) * HV + i_hv, mask=mask_r, other=0.)
+    # A select, not a product: above the diagonal Gx_a - Gx_b > 0 may overflow exp2 to inf.
+    b_A = b_A * tl.where(m_A, tl.exp2(b_g[:, None] - b_g[None, :]), 0.)
+  b_A = tl.where(m_A, b_A * b_beta[:, None], 0.)
+  p_A = A + (bos + o_r)[:, None] * (HV * BT) + i_hv * BT + o_c[None, :]
+  tl.store(p_A, b_A, mask=mask_r[:, None])

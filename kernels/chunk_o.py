@@ -1,0 +1,121 @@
+"""Stage 6 of the chunked prefill: the output, on the token stream.
+
+For token chunk c of a sequence (n <= 64 valid tokens), value head hv and a block of BV value
+columns (ALGORITHM.md §4.8), with Q the chunk's queries, S_c = h[chunk row] the state entering
+the chunk (cast to the input dtype in registers), Gu the token-stream cumulative decays, and
+K_j, D_j the rows t*M + j of k and v_new for the chunk's tokens t (row stride M*H*K and M*HV*V):
+
+    acc = (Q @ S_c) * 2^Gu[:, None]
+    Dec = where(a >= b, both valid, 2^(Gu_a - Gu_b), 0)      # INCLUSIVE: a token sees its copies
+    for j in 0..M-1:
+        acc += cast((Q @ K_j^T) * Dec) @ D_j
+    o = cast(scale * acc, o dtype)
+
+Rows past the sequence end are neither loaded nor stored. With state indices, a sequence whose
+slot is outside [0, S) is padding and its output rows are written as zeros, without reading
+anything else (stage 5 skips such sequences, so their v_new rows are undefined).
+
+The row of `h` is the descriptor index: token-chunk descriptors are laid out in sequence order,
+so descriptor i_d of sequence n, chunk c is chunk_offsets[n] + c.
+
+Grid: (number of token-chunk descriptors, ceil(V / BV), HV). Program (i_d, i_v, i_hv) owns the
+64 x BV outputs of descriptor i_d, value head i_hv; a padding descriptor (sequence -1) returns
+at once. The descriptor count sits on axis 0, which has no 65535 cap.
+
+Parameter order: inputs, outputs, constexprs.
+"""
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def chunk_o_fwd_kernel(
+    # inputs
+    q,              # [T, H, K]
+    k,              # [T*M, H, K]
+    v_new,          # [T*M, HV, V] from stage 5, input dtype
+    h,              # [NCR, HV, K, V] entering state of every token chunk (any float dtype)
+    g_cum,          # [T, HV] float32 Gu (log2 units); a placeholder when USE_G is False
+    state_indices,  # [N] int32 slot per sequence; a placeholder without HAS_STATE_INDICES
+    cu_seqlens,     # [N+1] int32 token-stream sequence starts
+    chunk_desc,     # [NCD, 2] int32 (sequence, token chunk within it); sequence -1 = padding
+    S,              # slots of the cache: a slot outside [0, S) is padding
+    scale,          # float32 query scale
+    # outputs
+    o,              # [T, HV, V] in v.dtype
+    # sizes
+    H: tl.constexpr,
+    HV: tl.constexpr,
+    K: tl.constexpr,
+    V: tl.constexpr,
+    M: tl.constexpr,
+    BT: tl.constexpr,
+    BK: tl.constexpr,
+    BV: tl.constexpr,
+    # flags
+    USE_G: tl.constexpr,
+    HAS_STATE_INDICES: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,  # "ieee" for float32 inputs, else the tensor-core default
+):
+  i_d, i_v, i_hv = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+  i_h = i_hv // (HV // H)
+  i_n = tl.load(chunk_desc + 2 * i_d)
+  if i_n < 0:
+    return
+  i_c = tl.load(chunk_desc + 2 * i_d + 1)
+  # int64: token * HV*V, row * H*K and chunk * HV*K*V overflow int32 on long packed batches.
+  bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+  eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
+
+  o_t = i_c * BT + tl.arange(0, BT)
+  mask_t = o_t < eos - bos
+  o_v = i_v * BV + tl.arange(0, BV)
+  mask_v = o_v < V
+  m_tv = mask_t[:, None] & mask_v[None, :]
+  p_o = o + (bos + o_t)[:, None] * (HV * V) + i_hv * V + o_v[None, :]
+
+  if HAS_STATE_INDICES:
+    i_s = tl.load(state_indices + i_n)
+    # A padding sequence's output is zero, whatever its length.
+    if (i_s < 0) | (i_s >= S):
+      tl.store(p_o, tl.zeros([BT, BV], dtype=tl.float32).to(o.dtype.element_ty), mask=m_tv)
+      return
+
+  o_k = tl.arange(0, BK)
+  p_q = q + (bos + o_t)[:, None] * (H * K) + i_h * K + o_k[None, :]
+  p_h = h + (i_d.to(tl.int64) * HV + i_hv) * (K * V) + o_k[:, None] * V + o_v[None, :]
+
+  b_o = tl.zeros([BT, BV], dtype=tl.float32)
+  for i_k in range(tl.cdiv(K, BK)):
+    mask_k = i_k * BK + o_k < K
+    b_q = tl.load(p_q + i_k * BK, mask=mask_t[:, None] & mask_k[None, :], other=0.)
+    b_h = tl.load(p_h + i_k * BK * V, mask=mask_k[:, None] & mask_v[None, :], other=0.)
+    # Cast in registers: float32 -> input dtype rounds like a store would, so o does not
+    # depend on the dtype h was kept in.
+    b_o += tl.dot(b_q, b_h.to(b_q.dtype), input_precision=DOT_PRECISION)
+
+  m_A = (o_t[:, None] >= o_t[None, :]) & mask_t[:, None] & mask_t[None, :]
+  if USE_G:
+    b_g = tl.load(g_cum + (bos + o_t) * HV + i_hv, mask=mask_t, other=0.)
+    b_o = b_o * tl.exp2(b_g)[:, None]
+    # A select, not a product: above the diagonal Gu_a - Gu_b > 0 may overflow exp2 to inf.
+    b_dec = tl.where(m_A, tl.exp2(b_g[:, None] - b_g[None, :]), 0.)
+  else:
+    b_dec = tl.where(m_A, 1., 0.)
+
+  for j in tl.static_range(M):
+    # Copy j of token t is expanded row t*M + j: a row stride of M*H*K (keys), M*HV*V (values).
+    row = (bos + o_t) * M + j
+    p_k = k + row[None, :] * (H * K) + i_h * K + o_k[:, None]
+    b_A = tl.zeros([BT, BT], dtype=tl.float32)
+    for i_k in range(tl.cdiv(K, BK)):
+      mask_k = i_k * BK + o_k < K
+      b_q = tl.load(p_q + i_k * BK, mask=mask_t[:, None] & mask_k[None, :], other=0.)
+      b_kt = tl.load(p_k + i_k * BK, mask=mask_k[:, None] & mask_t[None, :], other=0.)
+      b_A += tl.dot(b_q, b_kt, input_precision=DOT_PRECISION)
+    b_A = b_A * b_dec
+    p_d = v_new + row[:, None] * (HV * V) + i_hv * V + o_v[None, :]
+    b_d = tl.load(p_d, mask=m_tv, other=0.)
+    b_o += tl.dot(b_A.to(b_d.dtype), b_d, input_precision=DOT_PRECISION)
+
+  tl.store(p_o, (scale * b_o).to(o.dtype.element_ty), mask=m_tv)

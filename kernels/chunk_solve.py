@@ -1,0 +1,138 @@
+"""Stage 3 of the chunked prefill: Ai = (I + A)^-1 for each 64x64 expanded-chunk block of A.
+
+I + A is unit lower triangular, and so is its inverse X. Both are split into a 4x4 grid of
+16x16 blocks (ALGORITHM.md §4.5):
+
+1. Diagonal blocks by forward substitution (vector work): X_pp = I + L_p with L_p strictly
+   lower; starting from L_p = -strict_lower(A_pp), row i becomes a_i + a_i @ L_p for
+   i = 2..15, where a_i is row i of the start value (rows < i are final by then). The four
+   blocks are independent and advance together; the loop stops at the chunk's valid rows.
+2. Off-diagonal blocks by increasing distance from the diagonal, with full-float32 dots:
+   X_pq = -X_pp @ sum_{m=q}^{p-1} A_pm @ X_mq.
+3. All 16 blocks are stored in the output dtype (round to nearest even), the six above the
+   diagonal as explicit zeros, because an output buffer under JAX is not zero-filled.
+
+Rows of A past the sequence end are loaded as zeros, which makes those rows of X identity rows
+(finite); they are not stored, since they belong to the next sequence.
+
+Grid: (number of expanded-chunk descriptors, HV). Program (i_d, i_hv) owns the 64x64 block of
+descriptor i_d and value head i_hv; a padding descriptor (sequence -1) returns at once.
+
+Parameter order: inputs, outputs, constexprs.
+"""
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _load_block(p_A, i_p, i_q, n, STRIDE: tl.constexpr):
+  """Block (i_p, i_q) of a 64x64 chunk, 16x16 float32, rows at or past n read as zeros."""
+  o_i = tl.arange(0, 16)
+  o_r = i_p * 16 + o_i
+  p = p_A + o_r[:, None] * STRIDE + i_q * 16 + o_i[None, :]
+  return tl.load(p, mask=(o_r < n)[:, None], other=0.).to(tl.float32)
+
+
+@triton.jit
+def _store_block(p_Ai, b_X, i_p, i_q, n, STRIDE: tl.constexpr):
+  o_i = tl.arange(0, 16)
+  o_r = i_p * 16 + o_i
+  p = p_Ai + o_r[:, None] * STRIDE + i_q * 16 + o_i[None, :]
+  tl.store(p, b_X.to(p_Ai.dtype.element_ty), mask=(o_r < n)[:, None])
+
+
+@triton.jit
+def _substitute_row(b_L, i, o_i):
+  """Row i of L becomes a_i + a_i @ L, with a_i its current (start) value."""
+  m_row = o_i[:, None] == i
+  b_a = tl.sum(tl.where(m_row, b_L, 0.), 0)
+  b_a = b_a + tl.sum(b_a[:, None] * b_L, 0)
+  return tl.where(m_row, b_a[None, :], b_L)
+
+
+@triton.jit
+def _mm(a, b):
+  # The inverse feeds every later stage: full float32 products, no TF32.
+  return tl.dot(a, b, input_precision="ieee")
+
+
+@triton.jit
+def chunk_solve_fwd_kernel(
+    # inputs
+    A,           # [T*M, HV, BT] float32 strictly lower blocks from stage 2
+    cu_seqlens,  # [N+1] int32 token-stream sequence starts
+    chunk_desc,  # [NXD, 2] int32 (sequence, expanded chunk within it); sequence -1 = padding
+    # outputs
+    Ai,          # [T*M, HV, BT] in the input dtype, (I + A)^-1 per chunk
+    # sizes
+    HV: tl.constexpr,
+    M: tl.constexpr,
+    BT: tl.constexpr,  # 64: the 4x4 split of 16x16 blocks is written out below
+):
+  i_d, i_hv = tl.program_id(0), tl.program_id(1)
+  i_n = tl.load(chunk_desc + 2 * i_d)
+  if i_n < 0:
+    return
+  i_c = tl.load(chunk_desc + 2 * i_d + 1)
+  bos = tl.load(cu_seqlens + i_n).to(tl.int64) * M
+  eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64) * M
+  # Valid rows of this chunk; int32 is enough for a count of at most 64.
+  n = tl.minimum(eos - bos - i_c * BT, BT).to(tl.int32)
+  # int64: row * HV*BT overflows int32 on long packed batches.
+  p_A = A + (bos + i_c * BT) * (HV * BT) + i_hv * BT
+  p_Ai = Ai + (bos + i_c * BT) * (HV * BT) + i_hv * BT
+
+  o_i = tl.arange(0, 16)
+  m_strict = o_i[:, None] > o_i[None, :]
+  m_diag = o_i[:, None] == o_i[None, :]
+
+  b_L0 = -tl.where(m_strict, _load_block(p_A, 0, 0, n, HV * BT), 0.)
+  b_L1 = -tl.where(m_strict, _load_block(p_A, 1, 1, n, HV * BT), 0.)
+  b_L2 = -tl.where(m_strict, _load_block(p_A, 2, 2, n, HV * BT), 0.)
+  b_L3 = -tl.where(m_strict, _load_block(p_A, 3, 3, n, HV * BT), 0.)
+  # Rows 0 and 1 of each L are final already. Rows at or past n are zero and stay zero, so the
+  # loop stops at n; block 0 holds the most valid rows, so its count bounds all four.
+  for i in range(2, tl.minimum(n, 16)):
+    b_L0 = _substitute_row(b_L0, i, o_i)
+    b_L1 = _substitute_row(b_L1, i, o_i)
+    b_L2 = _substitute_row(b_L2, i, o_i)
+    b_L3 = _substitute_row(b_L3, i, o_i)
+  b_X00 = tl.where(m_diag, 1., b_L0)
+  b_X11 = tl.where(m_diag, 1., b_L1)
+  b_X22 = tl.where(m_diag, 1., b_L2)
+  b_X33 = tl.where(m_diag, 1., b_L3)
+
+  b_A10 = _load_block(p_A, 1, 0, n, HV * BT)
+  b_A20 = _load_block(p_A, 2, 0, n, HV * BT)
+  b_A21 = _load_block(p_A, 2, 1, n, HV * BT)
+  b_A30 = _load_block(p_A, 3, 0, n, HV * BT)
+  b_A31 = _load_block(p_A, 3, 1, n, HV * BT)
+  b_A32 = _load_block(p_A, 3, 2, n, HV * BT)
+
+  # distance 1
+  b_X10 = -_mm(b_X11, _mm(b_A10, b_X00))
+  b_X21 = -_mm(b_X22, _mm(b_A21, b_X11))
+  b_X32 = -_mm(b_X33, _mm(b_A32, b_X22))
+  # distance 2
+  b_X20 = -_mm(b_X22, _mm(b_A20, b_X00) + _mm(b_A21, b_X10))
+  b_X31 = -_mm(b_X33, _mm(b_A31, b_X11) + _mm(b_A32, b_X21))
+  # distance 3
+  b_X30 = -_mm(b_X33, _mm(b_A30, b_X00) + _mm(b_A31, b_X10) + _mm(b_A32, b_X20))
+
+  b_0 = tl.zeros([16, 16], dtype=tl.float32)
+  _store_block(p_Ai, b_X00, 0, 0, n, HV * BT)
+  _store_block(p_Ai, b_0, 0, 1, n, HV * BT)
+  _store_block(p_Ai, b_0, 0, 2, n, HV * BT)
+  _store_block(p_Ai, b_0, 0, 3, n, HV * BT)
+  _store_block(p_Ai, b_X10, 1, 0, n, HV * BT)
+  _store_block(p_Ai, b_X11, 1, 1, n, HV * BT)
+  _store_block(p_Ai, b_0, 1, 2, n, HV * BT)
+  _store_block(p_Ai, b_0, 1, 3, n, HV * BT)
+  _store_block(p_Ai, b_X20, 2, 0, n, HV * BT)
+  _store_block(p_Ai, b_X21, 2, 1, n, HV * BT)
+  _store_block(p_Ai, b_X22, 2, 2, n, HV * BT)
+  _store_block(p_Ai, b_0, 2, 3, n, HV * BT)
+  _store_block(p_Ai, b_X30, 3, 0, n, HV * BT)
+  _store_block(p_Ai, b_X31, 3, 1, n, HV * BT)
+  _store_block(p_Ai, b_X32, 3, 2, n, HV * BT)
+  _store_block(p_Ai, b_X33, 3, 3, n, HV * BT)
