@@ -266,9 +266,8 @@ def test_decode_matches_prefill_continuation():
   assert_close("o", o_all[:, L:], o_step, 1e-5)
 
 
-def test_jitted_decode_loop_equals_steps():
+def check_decode_loop(N, M, H, HV, K, V, S, steps, backend):
   """A lax.scan of decode steps with the cache carried equals the same steps one by one."""
-  N, M, H, HV, K, V, S, steps = 2, 2, 1, 2, 8, 8, 3, 4
   rng = np.random.default_rng(5)
   ks = rng.standard_normal((steps, N, M, H, K))
   ks /= np.linalg.norm(ks, axis=-1, keepdims=True)
@@ -277,13 +276,13 @@ def test_jitted_decode_loop_equals_steps():
             v=jnp.asarray(rng.standard_normal((steps, N, M, HV, V)), jnp.float32),
             g=jnp.asarray(-rng.exponential(0.5, (steps, N, 1, HV)), jnp.float32),
             beta=jnp.asarray(rng.uniform(0, 1, (steps, N, M, HV)), jnp.float32))
-  slots = jnp.asarray([2, 0], jnp.int32)
+  slots = jnp.asarray(rng.permutation(S)[:N], jnp.int32)
   cache0 = jnp.asarray(rng.standard_normal((S, HV, K, V)), jnp.float32)
 
   def step(cache, x):
     o, cache = gdp_jax.gated_delta_product_decode(
         x["q"], x["k"], x["v"], x["g"], x["beta"], num_householder=M, state=cache,
-        state_indices=slots, backend=KERNEL_BACKEND)
+        state_indices=slots, backend=backend)
     return cache, o
 
   cache_loop, o_loop = jax.jit(lambda c: jax.lax.scan(step, c, xs), donate_argnums=0)(cache0.copy())
@@ -292,3 +291,30 @@ def test_jitted_decode_loop_equals_steps():
     cache, o = step(cache, jax.tree.map(lambda x: x[i], xs))
     assert bits_equal(o_loop[i], o)
   assert bits_equal(cache_loop, cache)
+
+
+def test_jitted_decode_loop_equals_steps():
+  check_decode_loop(N=2, M=2, H=1, HV=2, K=8, V=8, S=3, steps=4, backend=KERNEL_BACKEND)
+
+
+@pytest.mark.gpu
+def test_jitted_decode_loop_equals_steps_gpu():
+  check_decode_loop(N=32, M=2, H=8, HV=16, K=128, V=128, S=64, steps=64, backend="triton")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_donated_step_keeps_buffer_and_is_deterministic(dtype):
+  N, D, M, H, HV, K, V, S = 64, 1, 2, 8, 16, 128, 128, 512
+  a = gdp_inputs(N, D, M, H, HV, K, V, S, "float32", seed=11)
+  a.pop("intermediate_states")
+  cache = a.pop("state").astype(dtype)
+  cache = jnp.where(jnp.isnan(cache), 0, cache)
+  step = jax.jit(lambda a, c: gdp_jax.gated_delta_product_decode(
+      **a, num_householder=M, state=c, backend="triton"), donate_argnums=1)
+  ptr = cache.unsafe_buffer_pointer()
+  c1 = cache.copy()
+  o1, new1 = step(a, cache)
+  assert new1.unsafe_buffer_pointer() == ptr, "the donated cache was copied"
+  o2, new2 = step(a, c1)
+  assert bits_equal(o1, o2) and bits_equal(new1, new2), "two identical steps differ"
