@@ -229,9 +229,35 @@ def _round_bf16_to_nearest_even():
   ti.InterpreterBuilder.cast_impl = cast_impl
 
 
+def _widen_bf16_dot_operands():
+  """Makes the interpreter multiply bfloat16 operands as numbers, not as bit patterns.
+
+  The interpreter keeps bfloat16 tensors as uint16 bits and its dot hands those straight to
+  np.matmul (triton 3.9), so a bf16 tl.dot returns garbage. A bf16 product is exact in float32,
+  so widening the operands first gives the tensor-core result up to summation order.
+  """
+  import triton.language as tl
+  from triton.runtime import interpreter as ti
+  dot = ti.InterpreterBuilder.create_dot
+  if getattr(dot, "_widened", False):
+    return
+
+  def widen(x):
+    if x.dtype.scalar == tl.bfloat16:
+      return ti.TensorHandle((x.data.astype(np.uint32) << 16).view(np.float32), tl.float32)
+    return x
+
+  def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+    return dot(self, widen(a), widen(b), d, input_precision, max_num_imprecise_acc)
+
+  create_dot._widened = True
+  ti.InterpreterBuilder.create_dot = create_dot
+
+
 def _interpret(kernel, args, grid, out_shape, aliases, constexprs):
   fn = _resolve_kernel(kernel, interpret=True)
   _round_bf16_to_nearest_even()
+  _widen_bf16_dot_operands()
   positions = [i for i, a in enumerate(args) if _is_array(a)]
   inv = {o: i for i, o in aliases.items()}
 
