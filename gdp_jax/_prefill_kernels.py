@@ -27,6 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from gdp_jax import _launch
+from gdp_jax.reference.chunked import chunk_descriptors, chunk_offsets
 
 # Chunk length on both streams. The solve kernel's 4x4 split of 16x16 blocks and the scan's
 # 64-row state tiles are written for exactly this value.
@@ -77,34 +78,6 @@ def _h_block_v(cfg: _PrefillConfig, N: int, HV: int, K: int, V: int) -> int:
 
 def _next_pow2(x: int) -> int:
   return 1 << max(0, (int(x) - 1).bit_length())
-
-
-def _chunk_descriptors(cu: jax.Array, n_max: int) -> jax.Array:
-  """(sequence, chunk) pairs of every 64-row chunk of the stream bounded by `cu`, on the device.
-
-  Args:
-    cu: [N+1] int32 sequence starts on one stream (tokens, or M * tokens for the expanded one).
-    n_max: static number of descriptors, an upper bound of the true count (§5.3).
-
-  Returns:
-    [n_max, 2] int32: descriptor j is (sequence, chunk within it), in sequence order; entries
-    past the true count are (-1, 0), which every per-chunk kernel skips.
-  """
-  n = cu.shape[0] - 1
-  counts = (cu[1:] - cu[:-1] + BT - 1) // BT
-  offs = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(counts).astype(jnp.int32)])
-  j = jnp.arange(n_max, dtype=jnp.int32)
-  # side="right" walks past empty sequences (equal consecutive offsets).
-  seq = jnp.searchsorted(offs[1:], j, side="right").astype(jnp.int32)
-  valid = j < offs[n]
-  local = j - offs[jnp.minimum(seq, n - 1)]
-  return jnp.stack([jnp.where(valid, seq, -1), jnp.where(valid, local, 0)], -1).astype(jnp.int32)
-
-
-def _chunk_offsets(cu: jax.Array) -> jax.Array:
-  """[N+1] int32: exclusive prefix sum of ceil(L_i / 64) with a leading 0."""
-  counts = (cu[1:] - cu[:-1] + BT - 1) // BT
-  return jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(counts).astype(jnp.int32)])
 
 
 def _dense_descriptors(B: int, L: int) -> np.ndarray:
@@ -222,14 +195,14 @@ def _wy(k, v, beta, gx, Ai, cu, desc, *, M, backend):
   return w, u
 
 
-def _scan(k, w, u, gx, cu, chunk_offsets, n_rows, *, M, h0, state_indices, final_kind,
+def _scan(k, w, u, gx, cu, offsets, n_rows, *, M, h0, state_indices, final_kind,
           h_dtype, snap_dtype, backend):
   """Stage 5: the inter-chunk scan.
 
   Args:
     k, w, u: [T*M, H, K], [T*M, HV, K], [T*M, HV, V].
     gx: [T*M, HV] float32 or None.
-    cu, chunk_offsets: [N+1] int32.
+    cu, offsets: [N+1] int32 sequence starts and first rows in the chunk states.
     n_rows: rows of the chunk-state outputs (static).
     h0: None, an initial state [N, HV, K, V], or the cache [S, HV, K, V] (then final_kind is
       "cache" and the updated cache is returned in its place).
@@ -265,7 +238,7 @@ def _scan(k, w, u, gx, cu, chunk_offsets, n_rows, *, M, h0, state_indices, final
       gx if gx is not None else _placeholder(),
       h0 if h0 is not None else _placeholder(),
       state_indices if state_indices is not None else _placeholder(jnp.int32),
-      cu, chunk_offsets,
+      cu, offsets,
       HV * K * V, K * V, S,
       grid=(N * HV, -(-V // bv)),
       out_shape=out_shape,
@@ -359,15 +332,17 @@ def _chunk_gated_delta_product_fwd(
     n_c = -(-T // BT)
     desc_t = jnp.asarray(_dense_descriptors(B, T))
     desc_x = jnp.asarray(_dense_descriptors(B, T * M))
-    chunk_offsets = jnp.asarray(np.arange(B + 1, dtype=np.int32) * n_c)
+    offsets = jnp.asarray(np.arange(B + 1, dtype=np.int32) * n_c)
     n_rows = B * n_c
   else:
     N = cu_seqlens.shape[0] - 1
     cu = cu_seqlens.astype(jnp.int32)
     n_rows = min(T, T // BT + N)
-    desc_t = _chunk_descriptors(cu, n_rows)
-    desc_x = _chunk_descriptors(cu * M, min(T * M, (T * M) // BT + N))
-    chunk_offsets = _chunk_offsets(cu)
+    # Built on the device with static upper bounds (§5.3): no host sync, one compilation for
+    # every cu_seqlens value of this shape; entries past the true count are (-1, 0).
+    desc_t = chunk_descriptors(cu, n_rows)
+    desc_x = chunk_descriptors(cu * M, min(T * M, (T * M) // BT + N))
+    offsets = chunk_offsets(cu)
 
   if g is not None:
     g = g.reshape(B * T, HV).astype(jnp.float32)
@@ -398,7 +373,7 @@ def _chunk_gated_delta_product_fwd(
     else:
       snap_dtype = want
   h, h_snap, v_new, final = _scan(
-      k, w, u, gx, cu, chunk_offsets, n_rows, M=M, h0=h0, state_indices=state_indices,
+      k, w, u, gx, cu, offsets, n_rows, M=M, h0=h0, state_indices=state_indices,
       final_kind=final_kind, h_dtype=h_dtype, snap_dtype=snap_dtype, backend=backend)
 
   S = state.shape[0] if state is not None else N
@@ -416,7 +391,7 @@ def _chunk_gated_delta_product_fwd(
   if return_chunk_states:
     states = h_snap if h_snap is not None else h
     if cu_seqlens is not None:
-      live = jnp.arange(n_rows) < chunk_offsets[N]
+      live = jnp.arange(n_rows) < offsets[N]
       states = jnp.where(live[:, None, None, None], states, jnp.zeros((), states.dtype))
     else:
       states = states.reshape(B, n_c, HV, K, V)

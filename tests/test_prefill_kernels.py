@@ -1,0 +1,473 @@
+"""The chunked prefill kernels against float64 oracles.
+
+Two levels:
+
+* stage by stage (`gdp_jax._prefill_kernels`' private launchers): each stage's kernel output is
+  compared with a float64 numpy computation fed by the previous *kernel* stage's output, so a
+  failure names the stage that broke;
+* end to end (`gdp_jax.chunk_gated_delta_product`): one case table, one body, against the float64
+  `lax.scan` reference on the same (rounded) inputs, through the Triton interpreter on a CPU and
+  through jax_triton on a GPU (`-m gpu` adds realistic shapes).
+
+Caches are poisoned: slots nobody addresses hold NaN and must come back bit-identical; padding
+sequences and slack tokens after cu_seqlens[N] must give exactly zero.
+"""
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import gdp_jax
+from conftest import KERNEL_BACKEND
+from gdp_jax import _prefill_kernels as pk
+from gdp_jax import reference
+from helpers import RTOL, assert_close, bits_equal
+
+# exp2 above the causal diagonal overflows to inf by design; the kernels select it away (the
+# interpreter's numpy still reports the overflow).
+pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered in exp2:RuntimeWarning")
+
+f64 = jnp.float64
+LOG2E = 1.4426950216
+BT = 64
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+  B: int = 1
+  T: int = 65
+  H: int = 1
+  HV: int = 2
+  K: int = 16
+  V: int = 16
+  M: int = 2
+  dtype: str = "float32"
+  use_g: bool = True
+  use_beta: bool = True
+  l2norm: bool = False
+  init: bool = False            # dense initial state
+  final: bool = True            # output_final_state (dense; ignored with a cache)
+  cache: str = ""               # "", "slots" (S > N, permuted, -1 and out of range), "plain"
+  varlen: tuple = ()            # sequence lengths, packed (B == 1); slack tokens follow
+  chunk_states: bool = False    # return_chunk_states
+  states_dtype: str = ""        # chunk_states_dtype ("" = None)
+
+  @property
+  def id(self):
+    s = f"B{self.B}-T{self.T}-H{self.H}-HV{self.HV}-K{self.K}-V{self.V}-M{self.M}-{self.dtype}"
+    s += "" if self.use_g else "-nog"
+    s += "" if self.use_beta else "-nobeta"
+    s += ("-l2" if self.l2norm else "") + ("-h0" if self.init else "")
+    s += "" if self.final or self.cache else "-nofinal"
+    s += f"-cache_{self.cache}" if self.cache else ""
+    s += f"-varlen{'_'.join(map(str, self.varlen))}" if self.varlen else ""
+    s += "-cs" + (f"_{self.states_dtype}" if self.states_dtype else "") if self.chunk_states else ""
+    return s
+
+
+CASES = [
+    Case(T=1, HV=1, M=1),
+    Case(B=2, T=63, init=True, chunk_states=True),
+    Case(T=65, HV=2, V=32, M=3, chunk_states=True),                  # L*M = 195 straddles chunks
+    Case(T=130, H=2, HV=4, K=32, V=32, M=3, init=True),
+    Case(T=70, HV=1, K=100, V=16, M=2, l2norm=True),                  # feature masking
+    Case(T=40, HV=1, K=256, V=16, M=2, init=True),                    # four state tiles
+    Case(B=2, T=65, HV=1, use_g=False, use_beta=False, init=True),
+    Case(T=64, use_g=False, M=3, final=False),
+    Case(T=65, use_beta=False, M=1, chunk_states=True, states_dtype="bfloat16"),
+    Case(T=70, K=32, V=32, dtype="bfloat16", l2norm=True, init=True, chunk_states=True),
+    Case(B=3, T=65, M=2, cache="slots", chunk_states=True),
+    Case(B=2, T=20, M=3, cache="plain", l2norm=True),
+    Case(T=150, M=2, varlen=(5, 0, 70, 1, 64), cache="slots", chunk_states=True),
+    Case(T=100, HV=1, M=3, varlen=(3, 0, 7, 1, 5, 2, 0, 6, 4, 1, 2, 3, 7, 5, 4, 6, 1, 2),
+         init=True, chunk_states=True),
+]
+GPU_CASES = [
+    Case(B=2, T=1000, H=4, HV=8, K=128, V=128, M=2, dtype="bfloat16", l2norm=True, init=True,
+         chunk_states=True),
+    Case(B=2, T=1000, H=4, HV=8, K=128, V=128, M=2, dtype="float32", l2norm=True, init=True,
+         chunk_states=True, states_dtype="float32"),
+    Case(B=2, T=1000, H=4, HV=8, K=256, V=512, M=2, dtype="bfloat16", l2norm=True, init=True),
+    Case(B=2, T=1000, H=4, HV=8, K=256, V=512, M=2, dtype="float32", l2norm=True,
+         chunk_states=True),
+    Case(B=1, T=2000, H=4, HV=8, K=128, V=128, M=2, dtype="bfloat16", l2norm=True,
+         varlen=(700, 0, 63, 1, 1000, 130), cache="slots", chunk_states=True,
+         states_dtype="float32"),
+    Case(B=1, T=1500, H=2, HV=4, K=100, V=512, M=3, dtype="float32",
+         varlen=(200, 0, 65, 1000), cache="slots", chunk_states=True),
+]
+
+
+def n_seqs(c: Case) -> int:
+  return len(c.varlen) if c.varlen else c.B
+
+
+def make_inputs(c: Case, seed):
+  """Public-API arguments for case c: (array arguments, keyword arguments)."""
+  rng = np.random.default_rng(seed)
+  dt = jnp.dtype(c.dtype)
+  N = n_seqs(c)
+  q = rng.standard_normal((c.B, c.T, c.H, c.K))
+  k = rng.standard_normal((c.B, c.T * c.M, c.H, c.K))
+  if not c.l2norm:  # unnormalised keys with beta near 2 blow the state up and prove nothing
+    q /= np.linalg.norm(q, axis=-1, keepdims=True)
+    k /= np.linalg.norm(k, axis=-1, keepdims=True)
+  a = dict(q=jnp.asarray(q, dt), k=jnp.asarray(k, dt),
+           v=jnp.asarray(rng.standard_normal((c.B, c.T * c.M, c.HV, c.V)), dt))
+  if c.use_g:
+    g = -rng.exponential(0.5, (c.B, c.T, c.HV))
+    g[rng.random(g.shape) < 0.1] = 0.       # exact zeros
+    g[rng.random(g.shape) < 0.03] = -20.    # strong decays
+    a["g"] = jnp.asarray(g, jnp.float32)
+  else:
+    a["g"] = None
+  a["beta"] = (jnp.asarray(rng.uniform(0, 2, (c.B, c.T * c.M, c.HV)), dt) if c.use_beta
+               else None)
+  kw = dict(num_householder=c.M, use_qk_l2norm_in_kernel=c.l2norm,
+            return_chunk_states=c.chunk_states,
+            chunk_states_dtype=jnp.dtype(c.states_dtype) if c.states_dtype else None)
+  if c.varlen:
+    cu = np.concatenate([[0], np.cumsum(c.varlen)])
+    assert cu[-1] <= c.T
+    kw["cu_seqlens"] = jnp.asarray(cu, jnp.int32)
+  if c.init:
+    kw["initial_state"] = jnp.asarray(rng.standard_normal((N, c.HV, c.K, c.V)), jnp.float32)
+  if c.cache:
+    S = N + 3 if c.cache == "slots" else N
+    cache = rng.standard_normal((S, c.HV, c.K, c.V)).astype(np.float32)
+    if c.cache == "slots":
+      slots = rng.permutation(S)[:N].astype(np.int32)
+      slots[0] = -1
+      if N > 2:
+        slots[-1] = S + 7  # out of range: padding too, and must not be written
+      cache[np.setdiff1d(np.arange(S), slots)] = np.nan
+      kw["state_indices"] = jnp.asarray(slots)
+    kw["state"] = jnp.asarray(cache, jnp.float32)
+  else:
+    kw["output_final_state"] = c.final
+  return a, kw
+
+
+def _upcast(tree):
+  up = lambda x: (x.astype(f64) if isinstance(x, jax.Array) and jnp.issubdtype(x.dtype, jnp.floating)
+                  else x)
+  return jax.tree.map(up, tree)
+
+
+def _padding(kw, N):
+  if "state_indices" not in kw:
+    return np.zeros(N, bool)
+  si = np.asarray(kw["state_indices"])
+  return (si < 0) | (si >= kw["state"].shape[0])
+
+
+def check_prefill(c: Case, backend, seed=0):
+  a, kw = make_inputs(c, seed)
+  out = gdp_jax.chunk_gated_delta_product(**a, **kw, backend=backend)
+  ref_kw = _upcast(kw)
+  if c.chunk_states and not c.states_dtype:
+    # The reference's default follows its (upcast) inputs; ask it for the kernels' default.
+    ref_kw["chunk_states_dtype"] = out[2].dtype
+  ref = reference.chunk_gated_delta_product(**_upcast(a), **ref_kw)
+  N = n_seqs(c)
+  tol = RTOL[c.dtype]
+  state_tol = 1e-5 if c.dtype == "float32" else 1e-2
+
+  o, o_ref = out[0], ref[0]
+  assert o.dtype == a["v"].dtype and o.shape == (c.B, c.T, c.HV, c.V)
+  pad = _padding(kw, N)
+  o_np = np.asarray(o, np.float32)
+  if c.varlen:
+    cu = np.asarray(kw["cu_seqlens"])
+    for n in np.nonzero(pad)[0]:
+      assert np.all(o_np[0, cu[n]:cu[n + 1]] == 0), f"padding sequence {n}: o not zero"
+    assert np.all(o_np[0, cu[-1]:] == 0), "slack tokens after cu_seqlens[N]: o not zero"
+  else:
+    assert np.all(o_np[pad] == 0), "padding sequence: o not zero"
+  assert_close("o", o_ref, o, tol)
+
+  if "state" in kw:
+    new, new_ref = np.asarray(out[1]), np.asarray(ref[1])
+    assert out[1].dtype == kw["state"].dtype and new.shape == kw["state"].shape
+    si = np.asarray(kw.get("state_indices", np.arange(N)))
+    live = np.zeros(new.shape[0], bool)
+    live[si[~pad]] = True
+    assert bits_equal(new[~live], np.asarray(kw["state"])[~live]), "unaddressed slots changed"
+    assert_close("state", new_ref[live], new[live], state_tol)
+  elif c.final:
+    assert out[1].dtype == jnp.float32 and out[1].shape == (N, c.HV, c.K, c.V)
+    assert_close("final_state", ref[1], out[1], state_tol)
+  else:
+    assert out[1] is None
+
+  if c.chunk_states:
+    cs = out[2]
+    want = (jnp.dtype(c.states_dtype) if c.states_dtype else
+            kw["state"].dtype if "state" in kw else
+            kw["initial_state"].dtype if "initial_state" in kw else a["k"].dtype)
+    assert cs.dtype == want, f"chunk_states dtype {cs.dtype}, expected {want}"
+    if c.varlen:
+      assert cs.shape == (min(c.T, c.T // BT + N), c.HV, c.K, c.V)
+      offs = np.asarray(gdp_jax.chunk_offsets(kw["cu_seqlens"]))
+      cs_np = np.asarray(cs, np.float32)
+      assert np.all(cs_np[offs[N]:] == 0), "chunk_states rows past chunk_offsets[N] not zero"
+      for n in np.nonzero(pad)[0]:
+        assert np.all(cs_np[offs[n]:offs[n + 1]] == 0), f"padding sequence {n}: states not zero"
+    else:
+      assert cs.shape == (c.B, -(-c.T // BT), c.HV, c.K, c.V)
+    cs_tol = 1e-2 if jnp.dtype(want).itemsize < 4 or c.dtype != "float32" else 1e-5
+    assert_close("chunk_states", ref[2], cs, cs_tol)
+
+
+@pytest.mark.parametrize("c", CASES, ids=lambda c: c.id)
+def test_prefill(c):
+  check_prefill(c, KERNEL_BACKEND)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("c", GPU_CASES, ids=lambda c: c.id)
+def test_prefill_gpu(c):
+  check_prefill(c, "triton", seed=1)
+
+
+# --- stage by stage ----------------------------------------------------------------------------
+
+
+def _np_gcum(g, cu, M):
+  """Chunk-local inclusive cumsum of the interleaved decays, times log2e, per sequence."""
+  T, HV = g.shape
+  out = np.full((T * M, HV), np.nan)
+  for n in range(len(cu) - 1):
+    L = (cu[n + 1] - cu[n]) * M
+    gt = np.zeros((L, HV))
+    gt[::M] = g[cu[n]:cu[n + 1]]
+    for c0 in range(0, L, BT):
+      out[cu[n] * M + c0: cu[n] * M + min(c0 + BT, L)] = np.cumsum(gt[c0:c0 + BT], 0) * LOG2E
+  return out
+
+
+def _chunks(cu, M):
+  """(first row, valid rows) of every expanded chunk."""
+  for n in range(len(cu) - 1):
+    L = (cu[n + 1] - cu[n]) * M
+    for c0 in range(0, L, BT):
+      yield cu[n] * M + c0, min(BT, L - c0)
+
+
+def _f(x):
+  return np.asarray(jnp.asarray(x, f64))
+
+
+@pytest.mark.parametrize("lens,M,K,dtype", [
+    ((65, 0, 30, 64), 3, 32, "float32"),
+    ((100, 1), 2, 100, "float32"),
+    ((70,), 2, 32, "bfloat16"),
+], ids=["varlen-M3-K32", "varlen-M2-K100", "M2-K32-bf16"])
+def test_stages(lens, M, K, dtype):
+  rng = np.random.default_rng(7)
+  H, HV, V = 1, 2, 16
+  G = HV // H
+  cu_np = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+  T = int(cu_np[-1]) + 3  # slack tokens
+  N = len(lens)
+  dt = jnp.dtype(dtype)
+  kk = rng.standard_normal((T * M, H, K))
+  kk /= np.linalg.norm(kk, axis=-1, keepdims=True)
+  k = jnp.asarray(kk, dt)
+  q = jnp.asarray(rng.standard_normal((T, H, K)) / np.sqrt(K), dt)
+  v = jnp.asarray(rng.standard_normal((T * M, HV, V)), dt)
+  beta = jnp.asarray(rng.uniform(0, 2, (T * M, HV)), dt)
+  g = jnp.asarray(-rng.exponential(0.5, (T, HV)), jnp.float32)
+  h0 = jnp.asarray(rng.standard_normal((N, HV, K, V)), jnp.float32)
+  cu = jnp.asarray(cu_np)
+  n_t = min(T, T // BT + N)
+  desc_t = reference.chunk_descriptors(cu, n_t)
+  desc_x = reference.chunk_descriptors(cu * M, min(T * M, T * M // BT + N))
+  offs = reference.chunk_offsets(cu)
+  be = KERNEL_BACKEND
+  if be == "interpret":
+    pk._patch_interpreter_bf16_dot()
+  stored_tol = 1e-5 if dtype == "float32" else 1e-2  # tensors stored in the input dtype
+  state_tol = 1e-5 if dtype == "float32" else 1e-2  # bf16 dots inside the scan
+
+  # Stage 1: both cumsums, valid rows only (the others belong to nobody).
+  gu = pk._cumsum(g, cu, desc_t, M=1, backend=be)
+  gx = pk._cumsum(g, cu, desc_x, M=M, backend=be)
+  gu_ref, gx_ref = _np_gcum(_f(g), cu_np, 1), _np_gcum(_f(g), cu_np, M)
+  for name, out, ref in (("Gu", gu, gu_ref), ("Gx", gx, gx_ref)):
+    live = ~np.isnan(ref[:, 0])
+    assert_close(name, ref[live], _f(out)[live], 1e-6)
+
+  # Stage 2, from the kernel's Gx.
+  A = pk._kkt(k, beta, gx, cu, desc_x, HV=HV, M=M, backend=be)
+  A_np, gx_np, k_np, b_np = _f(A), _f(gx), _f(k), _f(beta)
+  for r0, n in _chunks(cu_np, M):
+    for hv in range(HV):
+      kc = k_np[r0:r0 + n, hv // G]
+      d = gx_np[r0:r0 + n, hv]
+      ref = np.tril(b_np[r0:r0 + n, hv, None] * (kc @ kc.T) * np.exp2(d[:, None] - d[None, :]), -1)
+      assert np.all(np.isfinite(A_np[r0:r0 + n, hv])), "A: valid rows not fully written"
+      assert np.all(A_np[r0:r0 + n, hv, n:] == 0)
+      assert_close("A", ref, A_np[r0:r0 + n, hv, :n], 1e-5 if dtype == "float32" else 1e-3)
+
+  # Stage 3, from the kernel's A: (I + A) Ai = I, upper blocks exactly zero.
+  Ai = pk._solve(A, cu, desc_x, M=M, dtype=dt, backend=be)
+  assert Ai.dtype == dt
+  Ai_np = _f(Ai)
+  for r0, n in _chunks(cu_np, M):
+    for hv in range(HV):
+      blk = Ai_np[r0:r0 + n, hv]
+      ref = np.linalg.inv(np.eye(n) + A_np[r0:r0 + n, hv, :n])
+      assert np.all(np.triu(blk, 1) == 0), "Ai: not lower triangular (upper blocks unwritten?)"
+      assert_close("Ai", ref, blk[:, :n], stored_tol)
+
+  # Stage 4, from the kernel's Ai and Gx.
+  w, u = pk._wy(k, v, beta, gx, Ai, cu, desc_x, M=M, backend=be)
+  assert w.dtype == dt and u.dtype == dt
+  w_np, u_np, v_np = _f(w), _f(u), _f(v)
+  for r0, n in _chunks(cu_np, M):
+    for hv in range(HV):
+      ai = Ai_np[r0:r0 + n, hv, :n]
+      bb = b_np[r0:r0 + n, hv, None]
+      assert_close("u", ai @ (bb * v_np[r0:r0 + n, hv]), u_np[r0:r0 + n, hv], stored_tol)
+      ref_w = ai @ (bb * np.exp2(gx_np[r0:r0 + n, hv, None]) * k_np[r0:r0 + n, hv // G])
+      assert_close("w", ref_w, w_np[r0:r0 + n, hv], stored_tol)
+
+  # Stage 5, from the kernel's w and u: checkpoints, v_new, final state.
+  h, _, v_new, ht = pk._scan(k, w, u, gx, cu, offs, n_t, M=M, h0=h0, state_indices=None,
+                             final_kind="dense", h_dtype=jnp.float32, snap_dtype=None, backend=be)
+  h_np, vn_np = _f(h), _f(v_new)
+  for n in range(N):
+    S = _f(h0[n]).copy()
+    L = (cu_np[n + 1] - cu_np[n]) * M
+    for e, c0 in enumerate(range(0, L, BT)):
+      r0, nr = cu_np[n] * M + c0, min(BT, L - c0)
+      if e % M == 0:
+        assert_close(f"h[{n}, {e // M}]", S, h_np[int(offs[n]) + e // M], state_tol)
+      for hv in range(HV):
+        kc = k_np[r0:r0 + nr, hv // G]
+        d = u_np[r0:r0 + nr, hv] - w_np[r0:r0 + nr, hv] @ S[hv]
+        assert_close("v_new", d, vn_np[r0:r0 + nr, hv], stored_tol)
+        gc = gx_np[r0:r0 + nr, hv]
+        S[hv] = np.exp2(gc[-1]) * S[hv] + kc.T @ (np.exp2(gc[-1] - gc)[:, None] * d)
+    assert_close(f"final[{n}]", S, _f(ht[n]), state_tol)
+
+  # Stage 6, from the kernel's h and v_new; slack rows stay unwritten here (the launcher masks).
+  scale = K ** -0.5
+  o = pk._output(q, k, v_new, h, gu, None, N, cu, desc_t, M=M, scale=scale, out_dtype=dt,
+                 backend=be)
+  o_np, q_np, gu_np = _f(o), _f(q), _f(gu)
+  for j, (n, c) in enumerate(np.asarray(desc_t)):
+    if n < 0:
+      continue
+    t0 = cu_np[n] + c * BT
+    nt = min(BT, cu_np[n + 1] - t0)
+    for hv in range(HV):
+      qc = q_np[t0:t0 + nt, hv // G]
+      gc = gu_np[t0:t0 + nt, hv]
+      ref = (qc @ h_np[j, hv].astype(dt).astype(np.float64)) * np.exp2(gc)[:, None]
+      dec = np.tril(np.exp2(gc[:, None] - gc[None, :]))
+      for cp in range(M):
+        rows = (np.arange(t0, t0 + nt)) * M + cp
+        ref += ((qc @ k_np[rows, hv // G].T) * dec) @ vn_np[rows, hv]
+      assert_close("o", scale * ref, o_np[t0:t0 + nt, hv], stored_tol)
+
+
+# --- invariants and equivalences ---------------------------------------------------------------
+
+
+def test_resume_from_chunk_state():
+  """Prefill 128 tokens from the float32 snapshot at 64 == the tail of one 192-token call."""
+  c = Case(B=1, T=192, HV=2, K=32, V=16, M=2, cache="plain", chunk_states=True)
+  a, kw = make_inputs(c, seed=3)
+  kw["chunk_states_dtype"] = jnp.float32
+  o_full, cache_full, cs = gdp_jax.chunk_gated_delta_product(**a, **kw, backend=KERNEL_BACKEND)
+  assert cs.shape == (1, 3, c.HV, c.K, c.V) and cs.dtype == jnp.float32
+  tail = dict(q=a["q"][:, 64:], k=a["k"][:, 64 * c.M:], v=a["v"][:, 64 * c.M:],
+              g=a["g"][:, 64:], beta=a["beta"][:, 64 * c.M:])
+  o_tail, cache_tail = gdp_jax.chunk_gated_delta_product(
+      **tail, num_householder=c.M, state=cs[:, 1], backend=KERNEL_BACKEND)
+  assert bits_equal(o_tail, o_full[:, 64:]), "o of the resumed call differs"
+  assert bits_equal(cache_tail, cache_full), "final state of the resumed call differs"
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_chunk_states_dtype_does_not_change_o(dtype):
+  c = Case(B=1, T=130, HV=2, K=32, V=16, M=2, dtype=dtype, init=True, chunk_states=True)
+  a, kw = make_inputs(c, seed=4)
+  kw.pop("chunk_states_dtype")
+  outs = {}
+  for sd in (jnp.float32, jnp.bfloat16, jnp.float16):
+    outs[sd] = gdp_jax.chunk_gated_delta_product(**a, **kw, chunk_states_dtype=sd,
+                                                 backend=KERNEL_BACKEND)
+    assert outs[sd][2].dtype == sd
+  plain = gdp_jax.chunk_gated_delta_product(**a, **dict(kw, return_chunk_states=False),
+                                            backend=KERNEL_BACKEND)
+  for sd, out in outs.items():
+    assert bits_equal(out[0], plain[0]), f"o changed with chunk_states_dtype={sd}"
+    assert bits_equal(out[1], plain[1]), f"final state changed with chunk_states_dtype={sd}"
+  assert bits_equal(outs[jnp.bfloat16][2], outs[jnp.float32][2].astype(jnp.bfloat16))
+
+
+def test_m1_is_gated_delta_rule():
+  """M = 1 is plain Gated DeltaNet: the chunked kernels match the decode kernel's recurrence."""
+  c = Case(B=2, T=70, H=1, HV=2, K=32, V=16, M=1, init=True)
+  a, kw = make_inputs(c, seed=5)
+  o, ht = gdp_jax.chunk_gated_delta_product(**a, **kw, backend=KERNEL_BACKEND)
+  o_r, ht_r = gdp_jax.fused_recurrent_gated_delta_rule(
+      **a, initial_state=kw["initial_state"], output_final_state=True, backend=KERNEL_BACKEND)
+  assert_close("o", o_r, o, 1e-5)
+  assert_close("final_state", ht_r, ht, 1e-5)
+
+
+def test_matches_folded_decode():
+  """GDP prefill == the fused recurrent kernel on the folded stream (ALGORITHM.md §2.2)."""
+  c = Case(B=2, T=20, H=1, HV=2, K=16, V=16, M=3, cache="plain")
+  a, kw = make_inputs(c, seed=6)
+  o, cache = gdp_jax.chunk_gated_delta_product(**a, **kw, backend=KERNEL_BACKEND)
+  o_d, cache_d = gdp_jax.gated_delta_product_decode(
+      **a, num_householder=c.M, state=kw["state"], state_indices=jnp.arange(2, dtype=jnp.int32),
+      backend=KERNEL_BACKEND)
+  assert_close("o", o_d, o, 1e-5)
+  assert_close("state", cache_d, cache, 1e-5)
+
+
+def test_jit_traced_cu_seqlens_compiles_once():
+  c = Case(B=1, T=100, HV=2, K=16, V=16, M=2, varlen=(30, 0, 50), cache="slots",
+           chunk_states=True)
+  a, kw = make_inputs(c, seed=8)
+  traces = []
+
+  @jax.jit
+  def run(a, cu, state, slots):
+    traces.append(1)
+    return gdp_jax.chunk_gated_delta_product(
+        **a, num_householder=c.M, cu_seqlens=cu, state=state, state_indices=slots,
+        return_chunk_states=True, backend=KERNEL_BACKEND)
+
+  for cu in ([0, 30, 30, 80], [0, 64, 65, 99]):
+    cu = jnp.asarray(cu, jnp.int32)
+    with jax.transfer_guard_device_to_host("disallow"):
+      out = run(a, cu, kw["state"], kw["state_indices"])
+      jax.block_until_ready(out)
+    ref = reference.chunk_gated_delta_product(
+        **_upcast(a), num_householder=c.M, cu_seqlens=cu, state=kw["state"].astype(f64),
+        state_indices=kw["state_indices"], return_chunk_states=True,
+        chunk_states_dtype=jnp.float32)
+    assert_close("o", ref[0], out[0], 1e-5)
+    assert_close("chunk_states", ref[2], out[2], 1e-5)
+  assert len(traces) == 1, f"traced {len(traces)} times"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_deterministic_gpu(dtype):
+  c = Case(B=1, T=1500, H=4, HV=8, K=128, V=128, M=2, dtype=dtype, l2norm=True,
+           varlen=(700, 0, 800), cache="slots", chunk_states=True)
+  a, kw = make_inputs(c, seed=9)
+  first = gdp_jax.chunk_gated_delta_product(**a, **kw, backend="triton")
+  second = gdp_jax.chunk_gated_delta_product(**a, **kw, backend="triton")
+  for x, y in zip(first, second):
+    assert bits_equal(x, y)
