@@ -2,12 +2,14 @@
 
 Entry points: `chunk_gated_delta_product` (prefill), `fused_recurrent_gated_delta_rule` (the
 decode step), `gated_delta_product_decode` and `accept_draft_tokens` (decode with draft tokens),
-`chunk_offsets` (where each packed sequence's chunk states start), and `reference`, the pure
+`gated_delta_product_decode_prepare` (gates and Householder fold for the decode step in one
+launch), `chunk_offsets` (where each packed sequence's chunk states start), and `reference`, the pure
 jax.numpy twins of all of them.
 """
 from gdp_jax.decode import (accept_draft_tokens, fused_recurrent_gated_delta_rule,
                             gated_delta_product_decode)
 from gdp_jax.prefill import chunk_gated_delta_product
+from gdp_jax.prepare import gated_delta_product_decode_prepare
 
 __all__ = [
     "accept_draft_tokens",
@@ -15,6 +17,7 @@ __all__ = [
     "chunk_offsets",
     "fused_recurrent_gated_delta_rule",
     "gated_delta_product_decode",
+    "gated_delta_product_decode_prepare",
     "reference",
 ]
 
