@@ -312,6 +312,10 @@ def _chunk_gated_delta_product_fwd(
   B, T, H, K = q.shape
   HV, V = v.shape[2], v.shape[3]
   dtype = k.dtype
+  out_dtype = v.dtype
+  # Every dot takes two operands of one dtype: the input dtype is k's (ALGORITHM.md §4.9).
+  q = q.astype(dtype)
+  v = v.astype(dtype)
 
   if use_qk_l2norm_in_kernel:
     q = _l2norm(q)
@@ -321,6 +325,8 @@ def _chunk_gated_delta_product_fwd(
   q = q.reshape(B * T, H, K)
   k = k.reshape(B * T * M, H, K)
   v = v.reshape(B * T * M, HV, V)
+  if state_indices is not None:
+    state_indices = state_indices.astype(jnp.int32)
   if beta is None:
     beta = jnp.ones((B * T * M, HV), jnp.float32)
   else:
@@ -378,7 +384,7 @@ def _chunk_gated_delta_product_fwd(
 
   S = state.shape[0] if state is not None else N
   o = _output(q, k, v_new, h, gu, state_indices, S, cu, desc_t, M=M, scale=scale,
-              out_dtype=v.dtype, backend=backend)
+              out_dtype=out_dtype, backend=backend)
 
   if cu_seqlens is not None:
     # Tokens past cu_seqlens[N] belong to no sequence and no program writes them (§5.4); a
