@@ -20,7 +20,6 @@ With `cu_seqlens`, the chunk descriptors are built on the device with static upp
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import jax
 import jax.numpy as jnp
@@ -97,39 +96,6 @@ def _dot_precision(dtype) -> str:
   # float32 inputs (interpret mode, references) need full-precision dots; 16-bit inputs take
   # the tensor-core default, which is what "tf32" names for them.
   return "ieee" if jnp.dtype(dtype) == jnp.float32 else "tf32"
-
-
-_INTERPRETER_PATCHED = False
-
-
-def _patch_interpreter_bf16_dot():
-  """Makes Triton's interpreter multiply bfloat16 operands as numbers, not as bit patterns.
-
-  The interpreter keeps bfloat16 tensors as uint16 bits, and its dot hands those straight to
-  np.matmul (seen with triton 3.9), so every bf16 tl.dot in interpret mode returns garbage. A
-  bf16 product is exact in float32, so widening the operands first gives the tensor-core
-  result up to summation order. Compiled kernels are not affected.
-  """
-  global _INTERPRETER_PATCHED
-  if _INTERPRETER_PATCHED:
-    return
-  from triton.runtime import interpreter  # pylint: disable=g-import-not-at-top
-  import triton.language as tl  # pylint: disable=g-import-not-at-top
-
-  original = interpreter.InterpreterBuilder.create_dot
-
-  def widen(x):
-    if x.dtype.scalar == tl.bfloat16:
-      return interpreter.TensorHandle((x.data.astype(np.uint32) << 16).view(np.float32),
-                                      tl.float32)
-    return x
-
-  @functools.wraps(original)
-  def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
-    return original(self, widen(a), widen(b), d, input_precision, max_num_imprecise_acc)
-
-  interpreter.InterpreterBuilder.create_dot = create_dot
-  _INTERPRETER_PATCHED = True
 
 
 def _l2norm(x: jax.Array) -> jax.Array:
@@ -306,8 +272,6 @@ def _chunk_gated_delta_product_fwd(
         NC_max = min(T, T//64 + N) (packed; sequence n's chunk c at row chunk_offsets[n] + c,
         rows past chunk_offsets[N] zero), in chunk_states_dtype.
   """
-  if backend == "interpret":
-    _patch_interpreter_bf16_dot()
   M = int(num_householder)
   B, T, H, K = q.shape
   HV, V = v.shape[2], v.shape[3]

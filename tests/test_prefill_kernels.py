@@ -287,8 +287,6 @@ def test_stages(lens, M, K, dtype):
   desc_x = reference.chunk_descriptors(cu * M, min(T * M, T * M // BT + N))
   offs = reference.chunk_offsets(cu)
   be = KERNEL_BACKEND
-  if be == "interpret":
-    pk._patch_interpreter_bf16_dot()
   stored_tol = 1e-5 if dtype == "float32" else 1e-2  # tensors stored in the input dtype
   state_tol = 1e-5 if dtype == "float32" else 1e-2  # bf16 dots inside the scan
 
