@@ -22,6 +22,11 @@ from helpers import bits_equal, err_ratio
 TOL = 1e-10  # float64 relative error (rms ratio) between two exact forms of the same math
 
 
+def _jit(fn, **static):
+  """fn under jax.jit with its python-valued keyword arguments fixed (one compile per call site)."""
+  return jax.jit(functools.partial(fn, **static))
+
+
 def _close(name, ref, out, tol=TOL):
   ref = np.asarray(ref, np.float64)
   out = np.asarray(out, np.float64)
@@ -192,7 +197,7 @@ def _prefill(fn, case, x, **kw):
   arrays = {n: a for n, a in x.items() if a is not None}
   static = dict(num_householder=case.M, output_final_state=case.init != "cache",
                 use_qk_l2norm_in_kernel=case.l2, return_chunk_states=True, **kw)
-  return jax.jit(functools.partial(fn, **static))(**arrays)
+  return _jit(fn, **static)(**arrays)
 
 
 @functools.lru_cache(maxsize=None)
@@ -276,8 +281,40 @@ def test_scan_matches_numpy_loop(case):
     rows = rows.reshape(cs.shape)
   else:
     assert cs.shape[0] == min(T, T // 64 + case.N)
+    assert np.all(np.asarray(cs)[offs[-1]:] == 0), "chunk_states rows past chunk_offsets[N]"
     assert np.array_equal(np.asarray(R.chunk_offsets(x["cu_seqlens"])), offs)
   _close("chunk_states", rows, cs)
+
+
+@pytest.mark.parametrize("fn", [R.chunk_gated_delta_product, R.chunk_gated_delta_product_chunked],
+                         ids=["scan", "chunked"])
+def test_chunk_states_dtype(fn):
+  """Snapshot dtype: explicit, else the cache's, else initial_state's, else k's; o and the
+  snapshots' values do not depend on it (the state is rounded only when stored)."""
+  case = Case(1, 130, 1, 2, 8, 4, 2, init="cache", cu=(0, 65, 130), slots=(1, 0), S=2)
+  x, _, _ = _inputs(case)
+  args = (x["q"], x["k"], x["v"], x["g"], x["beta"])
+  run = jax.jit(functools.partial(fn, num_householder=2, cu_seqlens=x["cu_seqlens"]),
+                static_argnames=("return_chunk_states", "chunk_states_dtype"))
+  cache32 = x["state"].astype(jnp.float32)
+  o, c, cs = run(*args, state=cache32, state_indices=x["state_indices"],
+                 return_chunk_states=True)
+  assert c.dtype == jnp.float32 and cs.dtype == jnp.float32 and o.dtype == jnp.float64
+  o64, c64, cs64 = run(*args, state=cache32, state_indices=x["state_indices"],
+                       return_chunk_states=True, chunk_states_dtype=jnp.float64)
+  assert cs64.dtype == jnp.float64
+  assert bits_equal(cs, cs64.astype(jnp.float32)), "float32 snapshots are not the rounded ones"
+  o_no, c_no = run(*args, state=cache32, state_indices=x["state_indices"])
+  assert bits_equal(o, o64) and bits_equal(o, o_no), "o depends on the snapshot dtype"
+  assert bits_equal(c, c64) and bits_equal(c, c_no)
+  # Dtype rules only: trace, do not compile.
+  init32 = x["state"][::-1].astype(jnp.float32)
+  shapes = jax.eval_shape(functools.partial(fn, num_householder=2, return_chunk_states=True),
+                          *args, initial_state=init32, cu_seqlens=x["cu_seqlens"])
+  assert shapes[2].dtype == jnp.float32
+  shapes = jax.eval_shape(functools.partial(fn, num_householder=2, return_chunk_states=True),
+                          *args, cu_seqlens=x["cu_seqlens"])
+  assert shapes[2].dtype == x["k"].dtype
 
 
 # --------------------------------------------------------------------------------------------
@@ -302,7 +339,7 @@ def test_orthonormal_keys_closed_form(M):
   args = (jnp.asarray(q[None, :, None]), jnp.asarray(k[None, :, None]),
           jnp.asarray(v[None, :, None]))
   for fn in (R.chunk_gated_delta_product, R.chunk_gated_delta_product_chunked):
-    o, fin = fn(*args, num_householder=M, scale=scale, output_final_state=True)
+    o, fin = _jit(fn, num_householder=M, scale=scale, output_final_state=True)(*args)
     _close(f"{fn.__module__} o", o_ref, np.asarray(o)[0, :, 0])
     _close(f"{fn.__module__} final", h[-1], np.asarray(fin)[0, 0])
 
@@ -318,13 +355,14 @@ def test_single_token_by_hand():
   h = h + b * np.outer(k, v - h.T @ k)
   o_ref = h.T @ (K ** -0.5 * q)
   j = lambda a: jnp.asarray(np.asarray(a)[None, None, None])
+  args = (j(q), j(k), j(v), j(gam), j(b))
   outs = [
-      R.fused_recurrent_gated_delta_rule(j(q), j(k), j(v), j(gam), j(b),
-                                         initial_state=j(h0)[0], output_final_state=True),
-      R.chunk_gated_delta_product(j(q), j(k), j(v), j(gam), j(b), num_householder=1,
-                                  initial_state=j(h0)[0], output_final_state=True),
-      R.chunk_gated_delta_product_chunked(j(q), j(k), j(v), j(gam), j(b), num_householder=1,
-                                          initial_state=j(h0)[0], output_final_state=True),
+      _jit(R.fused_recurrent_gated_delta_rule, output_final_state=True)(
+          *args, initial_state=j(h0)[0]),
+      _jit(R.chunk_gated_delta_product, num_householder=1, output_final_state=True)(
+          *args, initial_state=j(h0)[0]),
+      _jit(R.chunk_gated_delta_product_chunked, num_householder=1, output_final_state=True)(
+          *args, initial_state=j(h0)[0]),
   ]
   for o, fin in outs:
     _close("o", o_ref, np.asarray(o)[0, 0, 0])
@@ -382,10 +420,10 @@ def test_m1_prefill_equals_fused_recurrent():
   case = Case(1, 100, 2, 4, 12, 8, 1, init="cache", cu=(0, 3, 3, 90), slots=(4, -1, 1), S=5)
   x, _, _ = _inputs(case)
   kw = {n: x[n] for n in ("cu_seqlens", "state", "state_indices")}
-  o_ref, c_ref = R.fused_recurrent_gated_delta_rule(x["q"], x["k"], x["v"], x["g"], x["beta"],
-                                                    **kw)
+  o_ref, c_ref = _jit(R.fused_recurrent_gated_delta_rule)(x["q"], x["k"], x["v"], x["g"],
+                                                          x["beta"], **kw)
   for fn in (R.chunk_gated_delta_product, R.chunk_gated_delta_product_chunked):
-    o, c = jax.jit(functools.partial(fn, num_householder=1))(
+    o, c = _jit(fn, num_householder=1)(
         x["q"], x["k"], x["v"], x["g"], x["beta"], **kw)
     _close(f"{fn.__module__} o", o_ref, o)
     _check_cache(f"{fn.__module__} cache", x["state"], c_ref, c, {4, 1})
@@ -410,12 +448,12 @@ def test_prefill_equals_fused_recurrent_on_folded_stream(M):
   case = Case(1, 140, 1, 2, 12, 8, M, init="initial", cu=(0, 70, 71, 137))
   x, _, _ = _inputs(case)
   qf, gf = _fold(x["q"], x["g"], M)
-  o_ref, f_ref = R.fused_recurrent_gated_delta_rule(
+  o_ref, f_ref = _jit(R.fused_recurrent_gated_delta_rule, output_final_state=True,
+                      use_qk_l2norm_in_kernel=True)(
       qf, x["k"], x["v"], gf, x["beta"], initial_state=x["initial_state"],
-      cu_seqlens=M * x["cu_seqlens"], output_final_state=True, use_qk_l2norm_in_kernel=True)
+      cu_seqlens=M * x["cu_seqlens"])
   for fn in (R.chunk_gated_delta_product, R.chunk_gated_delta_product_chunked):
-    o, f = jax.jit(functools.partial(fn, num_householder=M, output_final_state=True,
-                                     use_qk_l2norm_in_kernel=True))(
+    o, f = _jit(fn, num_householder=M, output_final_state=True, use_qk_l2norm_in_kernel=True)(
         x["q"], x["k"], x["v"], x["g"], x["beta"], initial_state=x["initial_state"],
         cu_seqlens=x["cu_seqlens"])
     _close(f"{fn.__module__} o", o_ref[:, M - 1::M], o)
@@ -446,12 +484,11 @@ def test_decode_equals_prefill_continuation_and_fold():
   S = cache.shape[0]
   pre = lambda t0, t1: [x["q"][:, t0:t1], x["k"][:, t0 * M:t1 * M], x["v"][:, t0 * M:t1 * M],
                         x["g"][:, t0:t1], x["beta"][:, t0 * M:t1 * M]]
-  prefill = functools.partial(R.chunk_gated_delta_product, num_householder=M,
-                              state_indices=slots)
-  o_full, cache_full = prefill(*pre(0, L + D), state=cache)
-  _, cache_l = prefill(*pre(0, L), state=cache)
+  prefill = _jit(R.chunk_gated_delta_product, num_householder=M)
+  o_full, cache_full = prefill(*pre(0, L + D), state=cache, state_indices=slots)
+  _, cache_l = prefill(*pre(0, L), state=cache, state_indices=slots)
   inter = jnp.full((S, D) + cache.shape[1:], jnp.nan)
-  o, cache_d, inter_d = jax.jit(functools.partial(R.gated_delta_product_decode, num_householder=M))(
+  o, cache_d, inter_d = _jit(R.gated_delta_product_decode, num_householder=M)(
       *pre(L, L + D), state=cache_l, state_indices=slots, intermediate_states=inter)
   live = np.asarray([0 <= s < S for s in slots])
   _close("decode o", np.asarray(o_full)[live, L:], np.asarray(o)[live])
@@ -461,9 +498,8 @@ def test_decode_equals_prefill_continuation_and_fold():
   # The fold: GDN fused recurrent over D*M steps, snapshots every M steps.
   q, k, v, g, beta = pre(L, L + D)
   qf, gf = _fold(q, g, M)
-  o_f, cache_f, inter_f = R.fused_recurrent_gated_delta_rule(
-      qf, k, v, gf, beta, state=cache_l, state_indices=slots, intermediate_states=inter,
-      steps_per_token=M)
+  o_f, cache_f, inter_f = _jit(R.fused_recurrent_gated_delta_rule, steps_per_token=M)(
+      qf, k, v, gf, beta, state=cache_l, state_indices=slots, intermediate_states=inter)
   _close("folded o", o, o_f[:, M - 1::M])
   _check_cache("folded cache", cache, cache_d, cache_f, {4, 1})
   for d in range(D):
@@ -478,7 +514,7 @@ def test_snapshots_equal_sequential_decodes_and_rollback():
   step = lambda d: [x["q"][:, d:d + 1], x["k"][:, d * M:(d + 1) * M],
                     x["v"][:, d * M:(d + 1) * M], x["g"][:, d:d + 1],
                     x["beta"][:, d * M:(d + 1) * M]]
-  decode = jax.jit(functools.partial(R.gated_delta_product_decode, num_householder=M))
+  decode = _jit(R.gated_delta_product_decode, num_householder=M)
   inter = jnp.full((S, D) + cache.shape[1:], jnp.nan)
   o_all, cache_all, inter_all = decode(x["q"], x["k"], x["v"], x["g"], x["beta"], state=cache,
                                        state_indices=slots, intermediate_states=inter)
@@ -508,25 +544,28 @@ def _enumerate(lens):
 
 
 def test_chunk_descriptors_match_enumeration():
+  """Random batches of N = 6 sequences in T = 400 tokens (about a third empty, slack after
+  cu[N]), on the expanded stream M * cu for M in 1..3, at the bound min(T, T//64 + N)."""
   rng = np.random.default_rng(12)
+  N, T = 6, 400
   descs = jax.jit(R.chunk_descriptors, static_argnums=1)
-  for trial in range(40):
-    N = int(rng.integers(1, 8))
-    lens = rng.integers(0, 200, N) * (rng.random(N) > 0.3)   # about a third empty
-    M = int(rng.integers(1, 4))
-    slack = int(rng.integers(0, 70))
-    cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32) * M
-    T = int(cu[-1]) + slack
-    max_chunks = min(T, T // 64 + N) if T else 0
-    want = _enumerate(list(lens * M))
-    offs = np.concatenate([[0], np.cumsum([-(-L * M // 64) for L in lens])])
-    assert np.array_equal(np.asarray(R.chunk_offsets(jnp.asarray(cu))), offs), trial
-    if max_chunks == 0:
-      continue
-    got = np.asarray(descs(jnp.asarray(cu), max_chunks))
-    assert len(want) <= max_chunks, trial
-    assert [tuple(r) for r in got[:len(want)]] == want, trial
-    assert np.all(got[len(want):] == [-1, 0]), trial
+  offsets = jax.jit(R.chunk_offsets)
+  batches = [[0] * N, [64, 0, 0, 0, 0, 1], [0, 128, 63, 65, 0, 1], [400, 0, 0, 0, 0, 0]]
+  for _ in range(30):
+    lens = rng.integers(0, 130, N) * (rng.random(N) > 0.3)
+    batches.append(list(np.minimum(lens, T - np.cumsum(lens) + lens).clip(0)))
+  for lens in batches:
+    assert sum(lens) <= T
+    for M in (1, 2, 3):
+      cu = M * np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+      want = _enumerate([M * L for L in lens])
+      offs = np.concatenate([[0], np.cumsum([-(-M * L // 64) for L in lens])])
+      assert np.array_equal(np.asarray(offsets(jnp.asarray(cu))), offs), (lens, M)
+      max_chunks = min(T * M, T * M // 64 + N)
+      got = np.asarray(descs(jnp.asarray(cu), max_chunks))
+      assert len(want) <= max_chunks, (lens, M)
+      assert [tuple(r) for r in got[:len(want)]] == want, (lens, M)
+      assert np.all(got[len(want):] == [-1, 0]), (lens, M)
 
 
 def test_jit_compiles_once_without_host_transfers():
@@ -542,7 +581,11 @@ def test_jit_compiles_once_without_host_transfers():
     o2, c2, cs2 = R.chunk_gated_delta_product_chunked(
         q, k, v, g, beta, num_householder=M, cu_seqlens=cu, state=cache, state_indices=slots,
         return_chunk_states=True)
-    return o, c, cs, o2, c2, cs2
+    inter = jnp.zeros((S, T) + cache.shape[1:], cache.dtype)
+    o3, c3, i3 = R.fused_recurrent_gated_delta_rule(
+        q, k[:, :T], v[:, :T], g, beta[:, :T], cu_seqlens=cu, state=cache, state_indices=slots,
+        intermediate_states=inter)
+    return o, c, cs, o2, c2, cs2, o3, c3, i3
 
   f = jax.jit(prefill)
   arrays = [jnp.asarray(a) for a in (
@@ -558,9 +601,10 @@ def test_jit_compiles_once_without_host_transfers():
     for cu, sl in zip(cus_dev, slots_dev):
       outs.append(jax.block_until_ready(f(cu, sl, *arrays)))
   assert len(traces) == 1, f"traced {len(traces)} times for one shape"
-  for cu, (o, c, cs, o2, c2, cs2) in zip(cus, outs):
+  for cu, (o, c, cs, o2, c2, cs2, o3, _, _) in zip(cus, outs):
     # The all-empty batch has all-zero results; _close then bounds the absolute error.
     _close("o", o, o2)
     assert np.all(np.asarray(o)[0, cu[-1]:] == 0), "slack tokens are not exactly 0"
     _close("cache", c, c2)
     _close("chunk_states", cs, cs2)
+    assert np.all(np.isfinite(np.asarray(o3))) and np.all(np.asarray(o3)[0, cu[-1]:] == 0)
