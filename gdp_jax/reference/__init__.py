@@ -7,6 +7,9 @@ here is the scan form, `chunk_gated_delta_product_chunked` the chunked WY form o
 from gdp_jax.reference.chunked import chunk_descriptors
 from gdp_jax.reference.chunked import chunk_gated_delta_product as chunk_gated_delta_product_chunked
 from gdp_jax.reference.chunked import chunk_offsets
+from gdp_jax.reference.prepare import beta_gate
+from gdp_jax.reference.prepare import decay_gate
+from gdp_jax.reference.prepare import gated_delta_product_decode_prepare
 from gdp_jax.reference.recurrent import accept_draft_tokens
 from gdp_jax.reference.recurrent import chunk_gated_delta_product
 from gdp_jax.reference.recurrent import fused_recurrent_gated_delta_rule
@@ -14,10 +17,13 @@ from gdp_jax.reference.recurrent import gated_delta_product_decode
 
 __all__ = [
     "accept_draft_tokens",
+    "beta_gate",
+    "decay_gate",
     "chunk_descriptors",
     "chunk_gated_delta_product",
     "chunk_gated_delta_product_chunked",
     "chunk_offsets",
     "fused_recurrent_gated_delta_rule",
     "gated_delta_product_decode",
+    "gated_delta_product_decode_prepare",
 ]
