@@ -1,0 +1,533 @@
+"""Timing, bookkeeping and environment helpers shared by benchmarks/decode.py and prefill.py.
+
+The benchmarks run JAX (our kernels, through jax_triton) and torch (fla-core, the baseline) in
+one process on one GPU, so the environment has to be set before either is imported: see
+`setup_env`. Every number is written to $OUT/<name>.json after each row, so a run that is cut
+short still returns what it measured.
+
+Run as a script, this file prints the end-of-run summary of a GPU run:
+`python3 benchmarks/common.py --summary $OUT`.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import statistics
+import sys
+import tempfile
+import time
+import traceback
+
+# --------------------------------------------------------------------------------------------
+# Environment (call before importing jax, triton or torch)
+# --------------------------------------------------------------------------------------------
+
+
+def _interrupt(signum, frame):
+  raise KeyboardInterrupt(f"signal {signum}")
+
+
+def setup_env(cpu_smoke: bool) -> None:
+  """Sets the variables that must be in place before jax/triton/torch are first imported.
+
+  * JAX preallocates 75% of the GPU by default; torch (fla-core) needs room beside it.
+  * fla-core caches autotune results on disk across runs; the machine is fresh each time and a
+    stale cache would only hide tuning cost, so it is off.
+  * A fresh Triton cache directory per process makes the first-call compile times honest (the
+    test run before us compiles the same kernels) and gives torch-launched Triton kernels a real
+    directory (importing jax_triton sets TRITON_CACHE_DIR to "", see `fix_triton_cache`).
+  * The CPU smoke runs our kernels through Triton's interpreter, which must be switched on
+    before triton is imported.
+  """
+  # gpu_run.sh caps each script with `timeout -s INT`; a shell may have started us with SIGINT
+  # ignored, so both signals are bound here: they stop the run between rows, results saved.
+  signal.signal(signal.SIGINT, _interrupt)
+  signal.signal(signal.SIGTERM, _interrupt)
+  os.environ.setdefault("PYTHONUNBUFFERED", "1")
+  os.environ["FLA_CACHE_RESULTS"] = "0"
+  cache = tempfile.mkdtemp(prefix="triton_cache_bench_", dir="/tmp")
+  os.environ["TRITON_CACHE_DIR"] = cache
+  os.environ["GDP_BENCH_TRITON_CACHE"] = cache
+  if cpu_smoke:
+    TIMING.update(repeats=2, warmup=1)
+    os.environ["TRITON_INTERPRET"] = "1"
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+  else:
+    os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.5")
+
+
+def fix_triton_cache() -> None:
+  """Imports jax_triton now and puts TRITON_CACHE_DIR back (jax_triton sets it to "").
+
+  Without a real directory, fla-core's kernels launched from torch fail with "Could not create
+  or locate cache dir". gdp_jax._launch restores the variable too; this keeps the benchmark
+  safe whatever order things are imported in.
+  """
+  cache = os.environ.get("GDP_BENCH_TRITON_CACHE") or "/tmp/triton_cache"
+  try:
+    import jax_triton  # noqa: F401
+  except Exception as e:  # CPU smoke: jax_triton does not import without a GPU jax
+    print(f"[env] jax_triton not imported: {type(e).__name__}: {e}")
+  os.makedirs(cache, exist_ok=True)
+  os.environ["TRITON_CACHE_DIR"] = cache
+
+
+def out_dir(path: str | None = None) -> str:
+  d = path or os.environ.get("OUT") or "./bench_out"
+  os.makedirs(d, exist_ok=True)
+  return d
+
+
+def versions() -> dict:
+  """Versions and device, as far as they import; never raises."""
+  info = {"python": sys.version.split()[0]}
+  for mod in ("jax", "jaxlib", "triton", "torch", "jax_triton", "fla", "numpy"):
+    try:
+      m = __import__(mod)
+      info[mod] = getattr(m, "__version__", "?")
+    except Exception as e:
+      info[mod] = f"unavailable ({type(e).__name__})"
+  try:
+    import jax
+    info["jax_backend"] = jax.default_backend()
+    info["device"] = str(jax.devices()[0].device_kind)
+  except Exception as e:
+    info["device"] = f"unknown ({e})"
+  for name in ("XLA_PYTHON_CLIENT_MEM_FRACTION", "TRITON_CACHE_DIR", "FLA_CACHE_RESULTS"):
+    info[name] = os.environ.get(name)
+  return info
+
+
+def has_torch_cuda() -> bool:
+  try:
+    import torch
+    return bool(torch.cuda.is_available())
+  except Exception:
+    return False
+
+
+# --------------------------------------------------------------------------------------------
+# Budget and results
+# --------------------------------------------------------------------------------------------
+
+
+class Budget:
+  """Wall-clock budget of a script: rows past it are recorded as skipped, not run.
+
+  gpu_run.sh also puts a hard `timeout` around each script; this softer limit lets the script
+  stop between rows, so its JSON and table are complete for what ran.
+  """
+
+  def __init__(self, seconds: float):
+    self.t0 = time.perf_counter()
+    self.seconds = float(seconds)
+
+  def elapsed(self) -> float:
+    return time.perf_counter() - self.t0
+
+  def left(self) -> float:
+    return self.seconds - self.elapsed()
+
+  def over(self, margin: float = 0.0) -> bool:
+    return self.left() < margin
+
+
+class Results:
+  """Sections of rows (dicts), saved as one JSON file after every change."""
+
+  def __init__(self, path: str, meta: dict):
+    self.path = path
+    self.data = {"meta": meta, "sections": {}}
+    self.save()
+
+  def add(self, section: str, row: dict) -> dict:
+    self.data["sections"].setdefault(section, []).append(row)
+    self.save()
+    return row
+
+  def set_meta(self, **kw) -> None:
+    self.data["meta"].update(kw)
+    self.save()
+
+  def save(self) -> None:
+    tmp = self.path + ".tmp"
+    with open(tmp, "w") as f:
+      json.dump(_jsonable(self.data), f, indent=1, allow_nan=True)
+    os.replace(tmp, self.path)
+
+
+def _jsonable(x):
+  if isinstance(x, dict):
+    return {str(k): _jsonable(v) for k, v in x.items()}
+  if isinstance(x, (list, tuple)):
+    return [_jsonable(v) for v in x]
+  if isinstance(x, (bool, int, str)) or x is None:
+    return x
+  if isinstance(x, float):
+    return x
+  try:
+    return float(x)  # numpy scalars
+  except Exception:
+    return str(x)
+
+
+def run_row(results: Results, section: str, row: dict, body, budget: Budget | None = None,
+            margin: float = 0.0) -> dict:
+  """Runs `body(row)` (which fills `row` in place), records the row whatever happens.
+
+  An exception is printed and stored in row["error"]; the next row still runs. A row that would
+  start past the budget is stored with row["skipped"].
+  """
+  if budget is not None and budget.over(margin):
+    row["skipped"] = f"budget ({budget.seconds:.0f} s) spent"
+    return results.add(section, row)
+  t0 = time.perf_counter()
+  try:
+    body(row)
+  except KeyboardInterrupt:
+    row["error"] = "interrupted"
+    results.add(section, row)
+    raise
+  except Exception as e:
+    row["error"] = f"{type(e).__name__}: {e}"[:800]
+    print(f"[{section}] row {_row_id(row)} failed:\n{traceback.format_exc()}", flush=True)
+  row["row_s"] = time.perf_counter() - t0
+  return results.add(section, row)
+
+
+def _row_id(row: dict) -> str:
+  keys = ("N", "HV", "D", "S", "B", "T", "H", "K", "V", "M", "BV", "num_warps", "state_dtype")
+  return " ".join(f"{k}={row[k]}" for k in keys if k in row)
+
+
+# --------------------------------------------------------------------------------------------
+# Timing
+# --------------------------------------------------------------------------------------------
+
+
+# The CPU smoke lowers these (its times mean nothing, only the plumbing is checked).
+TIMING = {"repeats": 7, "warmup": 2}
+
+
+def time_jax(call, *, target_s: float = 0.03, repeats: int | None = None,
+             warmup: int | None = None, max_batch: int = 2000) -> dict:
+  """Median time per call of `call()` (which launches JAX work and returns its outputs).
+
+  JAX work is asynchronous and JAX's streams are not torch's, so device events are not
+  available here: the clock is read around a batch of K back-to-back calls, then the last
+  output is waited for. K is chosen so a batch lasts about `target_s`, which amortises the one
+  synchronisation. Calls that thread a donated cache depend on each other; independent calls
+  still run in order on the one compute stream, so waiting for the last waits for all. A
+  per-call time that sits at the host's dispatch cost (tens of microseconds) means the step is
+  launch-bound, not device-bound.
+
+  Returns:
+    {"ms": median ms per call, "spread": (max - min) / median over repeats, "batch": K,
+     "repeats": repeats}.
+  """
+  import jax
+  repeats = TIMING["repeats"] if repeats is None else repeats
+  warmup = TIMING["warmup"] if warmup is None else warmup
+  out = None
+  for _ in range(warmup):
+    out = call()
+  jax.block_until_ready(out)
+  t0 = time.perf_counter()
+  out = call()
+  jax.block_until_ready(out)
+  one = max(time.perf_counter() - t0, 1e-6)
+  K = int(min(max_batch, max(1, math.ceil(target_s / one))))
+  times = []
+  for _ in range(repeats):
+    t0 = time.perf_counter()
+    for _ in range(K):
+      out = call()
+    jax.block_until_ready(out)
+    times.append((time.perf_counter() - t0) / K)
+  med = statistics.median(times)
+  return {"ms": med * 1e3, "spread": (max(times) - min(times)) / med, "batch": K,
+          "repeats": repeats}
+
+
+def time_torch(fn, *, warmup_ms: int = 25, rep_ms: int = 100) -> float:
+  """Median ms of `fn` by triton.testing.do_bench (CUDA events; it flushes L2 between calls)."""
+  from triton.testing import do_bench
+  try:
+    return float(do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median"))
+  except TypeError:  # older signature without return_mode
+    return float(do_bench(fn, warmup=warmup_ms, rep=rep_ms, quantiles=[0.5])[0])
+
+
+def time_torch_graph(fn, *, steps: int = 16, replays: int = 20, repeats: int = 5) -> float:
+  """Median ms per call of `fn`, captured `steps` times into one CUDA graph and replayed.
+
+  Eager torch pays its Python and launch overhead on every call (about 0.2 ms for fla-core's
+  decode step); a graph of many steps shows the device time, which is what a jitted JAX step
+  competes with.
+  """
+  import torch
+  s = torch.cuda.Stream()
+  s.wait_stream(torch.cuda.current_stream())
+  with torch.cuda.stream(s):
+    for _ in range(3):  # compile and warm up outside the capture
+      fn()
+  torch.cuda.current_stream().wait_stream(s)
+  torch.cuda.synchronize()
+  graph = torch.cuda.CUDAGraph()
+  with torch.cuda.graph(graph):
+    for _ in range(steps):
+      fn()
+  graph.replay()
+  torch.cuda.synchronize()
+  times = []
+  for _ in range(repeats):
+    start = torch.cuda.Event(enable_timing=True)
+    end = torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(replays):
+      graph.replay()
+    end.record()
+    end.synchronize()
+    times.append(start.elapsed_time(end) / (replays * steps))
+  del graph
+  return statistics.median(times)
+
+
+def copy_bandwidth_jax(nbytes: int) -> dict:
+  """Device-to-device bandwidth of an elementwise jnp pass, bytes read + written per second.
+
+  `x * 2 + 1` reads and writes every element once (XLA fuses it into one kernel) and cannot be
+  elided like a plain copy; nonzero data, as METHOD.md asks.
+  """
+  import jax
+  import jax.numpy as jnp
+  n = nbytes // 4
+  x = jnp.arange(n, dtype=jnp.float32) * jnp.float32(1e-9) + jnp.float32(0.5)
+  f = jax.jit(lambda a: a * jnp.float32(2) + jnp.float32(1))
+  t = time_jax(lambda: f(x), target_s=0.05)
+  del x
+  return {"bytes": 2 * n * 4, "ms": t["ms"], "spread": t["spread"],
+          "Bps": 2 * n * 4 / (t["ms"] * 1e-3)}
+
+
+def copy_bandwidth_torch(nbytes: int) -> dict:
+  """The same measurement in torch (dst.copy_(src)), as a cross-check of the JAX number."""
+  import torch
+  n = nbytes // 4
+  src = torch.arange(n, dtype=torch.float32, device="cuda")
+  dst = torch.empty_like(src)
+  ms = time_torch(lambda: dst.copy_(src))
+  del src, dst
+  torch.cuda.empty_cache()
+  return {"bytes": 2 * n * 4, "ms": ms, "Bps": 2 * n * 4 / (ms * 1e-3)}
+
+
+# --------------------------------------------------------------------------------------------
+# Comparison and conversion
+# --------------------------------------------------------------------------------------------
+
+
+def to_numpy_f32(x):
+  """A jax array or torch tensor as a float32 numpy array on the host."""
+  import numpy as np
+  if type(x).__module__.startswith("torch"):
+    return x.detach().float().cpu().numpy()
+  import jax.numpy as jnp
+  return np.asarray(jnp.asarray(x).astype(jnp.float32))
+
+
+def _as_jax(x):
+  """A jax array (device-resident where possible) viewing a jax array or a torch tensor."""
+  import jax
+  import jax.numpy as jnp
+  if type(x).__module__.startswith("torch"):
+    import torch
+    torch.cuda.synchronize()  # the dlpack view is read on JAX's stream
+    try:
+      return jax.dlpack.from_dlpack(x.detach().contiguous())
+    except Exception:
+      return jnp.asarray(x.detach().float().cpu().numpy())
+  return jnp.asarray(x)
+
+
+def rel_err(out, ref) -> float:
+  """||out - ref|| / ||ref|| (METHOD.md's metric); NaN if either holds a non-finite value.
+
+  Computed on the device in float32: the tensors compared here reach a gigabyte, too slow to
+  ship to the host, and a float32 sum is ample for an error ratio read to two digits.
+  """
+  import jax.numpy as jnp
+  a = _as_jax(out).astype(jnp.float32)
+  b = _as_jax(ref).astype(jnp.float32)
+  if a.shape != b.shape:
+    raise ValueError(f"rel_err: shapes differ, {a.shape} vs {b.shape}")
+  if not bool(jnp.all(jnp.isfinite(a)) & jnp.all(jnp.isfinite(b))):
+    return float("nan")
+  num = float(jnp.sqrt(jnp.sum(jnp.square(a - b))))
+  den = float(jnp.sqrt(jnp.sum(jnp.square(b))))
+  return num / den if den > 0 else num
+
+
+def worst(*errs) -> float:
+  """The largest error, NaN if any is NaN (Python's max would depend on the order)."""
+  errs = [float(e) for e in errs]
+  return float("nan") if any(math.isnan(e) for e in errs) else max(errs)
+
+
+def to_torch(x):
+  """A jax array as a torch CUDA tensor that owns its memory (a clone of a dlpack view).
+
+  The clone matters: the JAX buffer may be donated or freed later. Falls back to a host round
+  trip (bf16 through its bit pattern, which numpy cannot hold as a float) if dlpack fails.
+  """
+  import torch
+  try:
+    return torch.from_dlpack(x).clone()
+  except Exception:
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    if x.dtype == jnp.bfloat16:
+      bits = np.asarray(jax.lax.bitcast_convert_type(x, jnp.int16))
+      return torch.from_numpy(bits).cuda().view(torch.bfloat16)
+    return torch.from_numpy(np.asarray(x)).cuda()
+
+
+def free_device_memory() -> None:
+  import gc
+  gc.collect()
+  try:
+    import torch
+    if torch.cuda.is_available():
+      torch.cuda.empty_cache()
+  except Exception:
+    pass
+
+
+# --------------------------------------------------------------------------------------------
+# Printing
+# --------------------------------------------------------------------------------------------
+
+
+def fmt(v, spec: str) -> str:
+  if v is None:
+    return "-"
+  if isinstance(v, float) and math.isnan(v):
+    return "nan"
+  try:
+    return format(v, spec)
+  except (TypeError, ValueError):
+    return str(v)
+
+
+def print_table(title: str, rows: list[dict], cols: list[tuple[str, str, str]],
+                file=None, note_chars: int = 300) -> None:
+  """Prints rows as an aligned table; cols are (key, header, format spec).
+
+  Rows with an "error" or "skipped" entry get it printed after the table, one line per distinct
+  message with the row numbers it applies to (a kernel that fails fails on many rows).
+  """
+  file = file or sys.stdout
+  print(f"\n== {title}", file=file)
+  cells = [["#"] + [h for _, h, _ in cols]]
+  notes = {}
+  for i, r in enumerate(rows):
+    cells.append([str(i)] + [fmt(r.get(k), f) for k, _, f in cols])
+    for key in ("error", "skipped"):
+      if r.get(key):
+        notes.setdefault(f"{key}: {str(r[key])[:note_chars]}", []).append(str(i))
+  widths = [max(len(c[j]) for c in cells) for j in range(len(cells[0]))]
+  for c in cells:
+    print("  ".join(s.rjust(w) for s, w in zip(c, widths)), file=file)
+  for msg, idx in notes.items():
+    print(f"  rows {','.join(idx)}: {msg}", file=file)
+  file.flush()
+
+
+# --------------------------------------------------------------------------------------------
+# End-of-run summary (gpu_run.sh prints it last: the reply carries only the end of the output)
+# --------------------------------------------------------------------------------------------
+
+
+def _load(path):
+  try:
+    with open(path) as f:
+      return json.load(f)
+  except Exception as e:
+    print(f"(no {os.path.basename(path)}: {type(e).__name__}: {e})")
+    return None
+
+
+def summary(d: str) -> None:
+  log = os.path.join(d, "gpu_tests.log")
+  print("\n######## SUMMARY ########")
+  if os.path.exists(log):
+    with open(log, errors="replace") as f:
+      lines = f.read().splitlines()
+    bad = [l for l in lines if l.startswith(("FAILED", "ERROR", "[gpu_run]"))]
+    tail = [l for l in lines if (" passed" in l or " failed" in l or " error" in l) and "==" in l]
+    print("tests:", tail[-1] if tail else (lines[-1] if lines else "(empty log)"))
+    for l in bad[:20]:
+      print("  " + l[:200])
+    if len(bad) > 20:
+      print(f"  ... {len(bad) - 20} more")
+  dec = _load(os.path.join(d, "decode.json"))
+  if dec:
+    m = dec["meta"]
+    s = dec["sections"]
+    bw = m.get("copy_Bps")
+    print(f"copy bandwidth (jax, r+w): {fmt(bw and bw / 1e12, '.2f')} TB/s;"
+          f" torch {fmt(m.get('copy_Bps_torch') and m['copy_Bps_torch'] / 1e12, '.2f')} TB/s;"
+          f" decode first call: lower {fmt(m.get('compile_lower_s'), '.2f')} s,"
+          f" compile {fmt(m.get('compile_xla_s'), '.2f')} s,"
+          f" run {fmt(m.get('compile_first_run_s'), '.3f')} s")
+    print_table("decode (ms per step; loop = 16 steps in one jit / one CUDA graph)",
+                s.get("decode", []), DECODE_SUMMARY_COLS, note_chars=160)
+    best = s.get("sweep_best", [])
+    if best:
+      print_table("decode config sweep: best per shape", best, SWEEP_BEST_COLS, note_chars=160)
+  pre = _load(os.path.join(d, "prefill.json"))
+  if pre:
+    m = pre["meta"]
+    print(f"prefill first call: lower {fmt(m.get('compile_lower_s'), '.2f')} s, compile "
+          f"{fmt(m.get('compile_xla_s'), '.2f')} s, run {fmt(m.get('compile_first_run_s'), '.3f')}"
+          f" s; reference scan {fmt(m.get('ref_scan_ms'), '.1f')} ms"
+          f" ({fmt(m.get('ref_over_ours'), '.0f')}x ours), chunked reference"
+          f" {fmt(m.get('ref_chunked_ms'), '.2f')} ms")
+    print_table("prefill (ms)", pre["sections"].get("prefill", []), PREFILL_SUMMARY_COLS,
+                note_chars=160)
+
+
+DECODE_SUMMARY_COLS = [
+    ("N", "N", "d"), ("HV", "HV", "d"), ("D", "D", "d"), ("S", "S", "d"),
+    ("state_dtype", "st", "s"), ("cfg", "cfg", "s"),
+    ("ours_ms", "ours", ".4f"), ("ours_loop_ms", "ours_loop", ".4f"),
+    ("TBps_loop", "TB/s", ".2f"), ("frac_copy", "/copy", ".2f"),
+    ("fla_ms", "fla", ".4f"), ("fla_graph_ms", "fla_graph", ".4f"),
+    ("ours_over_fla_graph", "loop/graph", ".2f"),
+    ("err_ref", "err_ref", ".1e"), ("err_fla", "err_fla", ".1e"),
+]
+SWEEP_BEST_COLS = [
+    ("N", "N", "d"), ("HV", "HV", "d"), ("D", "D", "d"), ("BV", "BV", "d"),
+    ("num_warps", "warps", "d"), ("loop_ms", "loop_ms", ".4f"),
+    ("default_cfg", "default", "s"), ("default_loop_ms", "default_ms", ".4f"),
+    ("err_ref", "err_ref", ".1e"),
+]
+PREFILL_SUMMARY_COLS = [
+    ("B", "B", "d"), ("T", "T", "d"), ("H", "H", "d"), ("K", "K", "d"), ("V", "V", "d"),
+    ("M", "M", "d"), ("ours_ms", "ours", ".3f"), ("fla_ms", "fla", ".3f"),
+    ("ours_over_fla", "ours/fla", ".2f"), ("flop_floor_ms", "flop_fl", ".3f"),
+    ("byte_floor_ms", "byte_fl", ".3f"), ("ours_over_floor", "/floor", ".1f"),
+    ("err_fla_o", "err_fla_o", ".1e"), ("err_fla_state", "err_fla_h", ".1e"),
+    ("err_ref_o", "err_ref_o", ".1e"),
+]
+
+
+if __name__ == "__main__":
+  if len(sys.argv) == 3 and sys.argv[1] == "--summary":
+    summary(sys.argv[2])
+  else:
+    print("usage: python3 benchmarks/common.py --summary OUT_DIR", file=sys.stderr)
+    sys.exit(2)

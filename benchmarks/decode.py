@@ -1,0 +1,422 @@
+"""Decode benchmark: `gdp_jax.gated_delta_product_decode` against fla-core's fused recurrent step.
+
+What it measures, in order (each row in its own try/except; every number lands in
+$OUT/decode.json as soon as it exists, tables go to stdout):
+
+1. Device-to-device copy bandwidth in this process (4 GiB, read + write counted): the ceiling
+   for a step that streams the state once in and once out.
+2. First-call cost of one decode step: lowering (jax_triton compiles the Triton kernel there,
+   into an empty cache), XLA compile, first run.
+3. The main table: a jitted step with the cache [S, HV, K, V] float32 donated and
+   state_indices a random permutation, K = V = 128, M = 2, H = 16, for N in {1, 8, 64, 256},
+   HV in {16, 32}, D in {1, 4} (D = 4 with intermediate_states), S = N, plus S = 8N for
+   N = 256, HV = 16, D = 1. Per row:
+   * ours: one jitted call per step (what a serving loop pays, host dispatch included);
+   * ours_loop: 16 steps on the same inputs unrolled inside one jit, per step: XLA folds the
+     identical inputs once, so this is close to the kernel's device time, like fla's graph,
+     which is handed the folded stream;
+   * bandwidth from ours_loop counting state read + write (+ snapshot writes for D > 1);
+   * fla-core `fused_recurrent_gated_delta_rule` on the same folded stream (query on the last
+     Householder copy, decay on the first; dense initial_state, output_final_state=True),
+     eagerly with do_bench and as 16 steps in one CUDA graph; fla writes no snapshots;
+   * relative errors of ours against the jnp reference (float32) and against fla: a Triton
+     miscompile on Hopper shows here before it shows in a timing.
+4. A bfloat16 cache at N = 256, HV = 16.
+5. A config sweep (BV x num_warps through gdp_jax._configs.DECODE_OVERRIDE) at N = 256, 1, 8,
+   HV = 16, D = 1, each config checked against the reference after 16 steps.
+
+`--cpu-smoke` runs the same code at tiny shapes through Triton's interpreter, without torch
+or fla, to prove the plumbing on a machine without a GPU (its times mean nothing).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import common  # noqa: E402
+
+LOOP_STEPS = 16   # steps per jit (ours) and per CUDA graph (fla) in the "loop" timings
+CHECK_ROWS = 32   # cache slots compared per row: enough to catch a miscompile, cheap on the host
+# A config counts as correct under this error against the float32 reference: o is stored in
+# bf16 (about 1.5e-3 from rounding alone); a miscompile gives errors of order 1.
+OK_ERR = 5e-3
+
+
+def parse_args():
+  p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  p.add_argument("--cpu-smoke", action="store_true",
+                 help="tiny shapes, Triton interpreter, no torch/fla (plumbing check)")
+  p.add_argument("--budget-s", type=float, default=300.0,
+                 help="stop starting rows after this many seconds")
+  p.add_argument("--out", default=None, help="output folder (default $OUT or ./bench_out)")
+  p.add_argument("--skip-fla", action="store_true")
+  p.add_argument("--parts", default="copy,first,main,bf16,sweep",
+                 help="comma-separated subset of copy,first,main,bf16,sweep (e.g. 'copy,sweep' "
+                      "for a second call that only sweeps)")
+  return p.parse_args()
+
+
+class Bench:
+  """Shapes, backend and the imported modules of one run."""
+
+  def __init__(self, args):
+    self.smoke = args.cpu_smoke
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    import gdp_jax
+    from gdp_jax import _configs
+    common.fix_triton_cache()
+    self.jax, self.jnp, self.np, self.gdp_jax, self.configs = jax, jnp, np, gdp_jax, _configs
+    self.backend = "interpret" if self.smoke else "triton"
+    self.loop_steps = 2 if self.smoke else LOOP_STEPS  # the interpreter is slow
+    self.copy_Bps = None  # set by main() once measured
+    self.fla = None
+    if not (self.smoke or args.skip_fla):
+      try:
+        import torch
+        from fla.ops.gated_delta_rule import fused_recurrent_gated_delta_rule
+        torch.set_grad_enabled(False)  # no autograd bookkeeping in the timed calls
+        self.torch, self.fla = torch, fused_recurrent_gated_delta_rule
+      except Exception as e:
+        print(f"[decode] fla-core unavailable, its columns stay empty: {type(e).__name__}: {e}")
+      common.fix_triton_cache()
+    if self.smoke:
+      self.H, self.K, self.V, self.M = 1, 16, 16, 2
+    else:
+      self.H, self.K, self.V, self.M = 16, 128, 128, 2
+
+  # ------------------------------------------------------------------------------ inputs
+
+  def inputs(self, N, HV, D, S, state_dtype="float32", seed=0):
+    """Random inputs of one decode step: bf16 activations, logsigmoid decays, beta in (0, 1),
+    a random nonzero cache, slots a random permutation of S taken N at a time, and a
+    NaN-poisoned snapshot buffer when D > 1 (an unwritten snapshot shows as NaN)."""
+    jax, jnp, np = self.jax, self.jnp, self.np
+    H, K, V, M = self.H, self.K, self.V, self.M
+    ks = jax.random.split(jax.random.PRNGKey(seed), 7)
+    bf16 = jnp.bfloat16
+    x = dict(
+        q=jax.random.normal(ks[0], (N, D, H, K), jnp.float32).astype(bf16),
+        k=jax.random.normal(ks[1], (N, D * M, H, K), jnp.float32).astype(bf16),
+        v=jax.random.normal(ks[2], (N, D * M, HV, V), jnp.float32).astype(bf16),
+        g=jax.nn.log_sigmoid(jax.random.uniform(ks[3], (N, D, HV), jnp.float32, 1.0, 5.0)),
+        beta=jax.nn.sigmoid(jax.random.normal(ks[4], (N, D * M, HV), jnp.float32)).astype(bf16),
+    )
+    state = (0.1 * jax.random.normal(ks[5], (S, HV, K, V), jnp.float32)).astype(state_dtype)
+    slots = jnp.asarray(np.random.default_rng(seed).permutation(S)[:N].astype(np.int32))
+    inter = None
+    if D > 1:
+      inter = jnp.full((S, D, HV, K, V), jnp.nan, state_dtype)
+    return x, state, slots, inter
+
+  # ------------------------------------------------------------------------------ functions
+
+  def step_fn(self, use_inter, steps=1):
+    """A jitted function running `steps` decode steps, cache (and snapshots) donated.
+
+    A new function object per call, so jax traces it again and reads DECODE_OVERRIDE afresh.
+    """
+    jax, gdp_jax, M, backend = self.jax, self.gdp_jax, self.M, self.backend
+
+    def f(state, inter, q, k, v, g, beta, slots):
+      o = None
+      for _ in range(steps):
+        out = gdp_jax.gated_delta_product_decode(
+            q, k, v, g, beta, num_householder=M, state=state, state_indices=slots,
+            intermediate_states=inter, use_qk_l2norm_in_kernel=True, backend=backend)
+        o, state = out[0], out[1]
+        if use_inter:
+          inter = out[2]
+      return o, state, inter
+
+    return jax.jit(f, donate_argnums=(0, 1) if use_inter else (0,))
+
+  def reference(self, x, state, slots, inter, steps=1):
+    """The jnp reference on float32 upcasts of the same inputs, `steps` steps."""
+    jax, jnp, gdp_jax, M = self.jax, self.jnp, self.gdp_jax, self.M
+    f32 = lambda a: None if a is None else a.astype(jnp.float32)
+
+    @jax.jit
+    def f(state, inter, q, k, v, g, beta, slots):
+      o = None
+      for _ in range(steps):
+        out = gdp_jax.gated_delta_product_decode(
+            f32(q), f32(k), f32(v), g, f32(beta), num_householder=M, state=state,
+            state_indices=slots, intermediate_states=inter, use_qk_l2norm_in_kernel=True,
+            backend="reference")
+        o, state = out[0], out[1]
+        inter = out[2] if inter is not None else None
+      return o, state
+
+    return f(f32(state), f32(inter), x["q"], x["k"], x["v"], x["g"], x["beta"], slots)
+
+  def run_chain(self, fn, state, inter, x, slots):
+    """A zero-argument callable that runs `fn` once, threading the donated buffers."""
+    box = {"state": state, "inter": inter}
+
+    def call():
+      o, s, i = fn(box["state"], box["inter"], x["q"], x["k"], x["v"], x["g"], x["beta"], slots)
+      box["state"], box["inter"] = s, i
+      return o, s
+
+    return call
+
+  def copy(self, a):
+    return None if a is None else self.jnp.copy(a)
+
+  def state_bytes(self, N, HV, D, dtype, with_inter):
+    """Bytes a step must move: the N addressed states read and written, plus one snapshot per
+    draft token when snapshots are kept. The activations (q, k, v, g, beta, o) are under 1% of
+    that at these shapes and are left out."""
+    item = self.np.dtype(self.jnp.dtype(dtype)).itemsize
+    per_state = HV * self.K * self.V * item
+    return N * per_state * 2 + (N * D * per_state if with_inter else 0)
+
+  # ------------------------------------------------------------------------------ measurements
+
+  def first_call(self, results):
+    """Lowering, XLA compile and first run of one step, with an empty Triton cache."""
+    N, HV, D = (256, 16, 1) if not self.smoke else (2, 2, 1)
+    x, state, slots, inter = self.inputs(N, HV, D, N)
+    f = self.step_fn(use_inter=False)
+    args = (state, inter, x["q"], x["k"], x["v"], x["g"], x["beta"], slots)
+    t0 = time.perf_counter()
+    lowered = f.lower(*args)
+    t1 = time.perf_counter()
+    compiled = lowered.compile()
+    t2 = time.perf_counter()
+    self.jax.block_until_ready(compiled(*args))
+    t3 = time.perf_counter()
+    results.set_meta(compile_shape=dict(N=N, HV=HV, D=D, K=self.K, V=self.V, M=self.M),
+                     compile_lower_s=t1 - t0, compile_xla_s=t2 - t1, compile_first_run_s=t3 - t2)
+    print(f"[decode] first call N={N} HV={HV}: lower (Triton compile) {t1 - t0:.2f} s, "
+          f"XLA compile {t2 - t1:.2f} s, first run {t3 - t2:.3f} s")
+
+  def main_row(self, row):
+    N, HV, D, S, sdt = row["N"], row["HV"], row["D"], row["S"], row["state_dtype"]
+    use_inter = D > 1
+    cfg = self.configs.decode_config(N, HV, self.K, self.V)
+    row["cfg"] = f"BV{cfg.BV}w{cfg.num_warps}"
+    x, state, slots, inter = self.inputs(N, HV, D, S, sdt, seed=N * 1000 + HV * 10 + D)
+    nchk = min(N, CHECK_ROWS)
+    chk = slots[:nchk]
+
+    # Correctness on copies (the timed chain donates the originals).
+    step = self.step_fn(use_inter)
+    o, new_state, new_inter = step(self.copy(state), self.copy(inter), x["q"], x["k"], x["v"],
+                                   x["g"], x["beta"], slots)
+    ref_o, ref_state = self.reference(x, state, slots, inter)
+    row["err_ref_o"] = common.rel_err(o, ref_o)
+    row["err_ref_state"] = common.rel_err(new_state[chk], ref_state[chk])
+    row["err_ref"] = common.worst(row["err_ref_o"], row["err_ref_state"])
+    if use_inter:
+      # The last snapshot is the final state, stored from the same float32 registers.
+      row["err_snapshot"] = common.rel_err(new_inter[chk, D - 1], new_state[chk])
+    del ref_o, ref_state, new_inter
+
+    if self.fla is not None and sdt == "float32":
+      self.fla_columns(row, x, state, slots, o, new_state, nchk)
+    del o, new_state
+
+    # Timing: the chain donates `state` (and `inter`) from here on.
+    row["bytes"] = self.state_bytes(N, HV, D, sdt, use_inter)
+    t = common.time_jax(self.run_chain(step, state, inter, x, slots))
+    row["ours_ms"], row["ours_spread"], row["ours_batch"] = t["ms"], t["spread"], t["batch"]
+    state, inter = self.inputs(N, HV, D, S, sdt, seed=1)[1::2]  # fresh buffers: old ones donated
+    loop = self.step_fn(use_inter, steps=self.loop_steps)
+    t = common.time_jax(self.run_chain(loop, state, inter, x, slots))
+    row["ours_loop_ms"], row["ours_loop_spread"] = t["ms"] / self.loop_steps, t["spread"]
+    row["TBps_loop"] = row["bytes"] / (row["ours_loop_ms"] * 1e-3) / 1e12
+    row["TBps_dispatch"] = row["bytes"] / (row["ours_ms"] * 1e-3) / 1e12
+    if self.copy_Bps:
+      row["frac_copy"] = row["TBps_loop"] * 1e12 / self.copy_Bps
+      row["copy_floor_ms"] = row["bytes"] / self.copy_Bps * 1e3
+    if row.get("fla_ms"):
+      row["ours_over_fla"] = row["ours_ms"] / row["fla_ms"]
+    if row.get("fla_graph_ms"):
+      row["ours_over_fla_graph"] = row["ours_loop_ms"] / row["fla_graph_ms"]
+    common.free_device_memory()
+
+  def fla_columns(self, row, x, state, slots, o, new_state, nchk):
+    """fla-core on the folded stream: T = D*M steps, query on copy M-1, decay on copy 0."""
+    jnp, torch = self.jnp, self.torch
+    N, D, H, K = x["q"].shape
+    HV, M = x["v"].shape[2], self.M
+    q_fold = jnp.zeros((N, D, M, H, K), x["q"].dtype).at[:, :, M - 1].set(x["q"])
+    g_fold = jnp.zeros((N, D, M, HV), jnp.float32).at[:, :, 0].set(x["g"])
+    tq = common.to_torch(q_fold.reshape(N, D * M, H, K))
+    tg = common.to_torch(g_fold.reshape(N, D * M, HV))
+    tk, tv, tb = (common.to_torch(x[n]) for n in ("k", "v", "beta"))
+    th0 = common.to_torch(state[slots])  # fla takes the dense state of the N sequences
+    scale = K ** -0.5
+
+    def fla_step():
+      # beta by keyword: fla's fifth positional parameter is gk.
+      return self.fla(tq, tk, tv, tg, beta=tb, scale=scale, initial_state=th0,
+                      output_final_state=True, use_qk_l2norm_in_kernel=True)
+
+    fo, fht = fla_step()
+    torch.cuda.synchronize()
+    row["err_fla_o"] = common.rel_err(o, fo[:, M - 1::M])
+    row["err_fla_state"] = common.rel_err(new_state[slots[:nchk]], fht[:nchk])
+    row["err_fla"] = common.worst(row["err_fla_o"], row["err_fla_state"])
+    del fo, fht
+    row["fla_ms"] = common.time_torch(fla_step)
+    row["fla_graph_ms"] = common.time_torch_graph(fla_step, steps=self.loop_steps)
+    fla_bytes = self.state_bytes(N, HV, D, "float32", with_inter=False)
+    row["fla_TBps_graph"] = fla_bytes / (row["fla_graph_ms"] * 1e-3) / 1e12
+    del tq, tk, tv, tg, tb, th0
+    common.free_device_memory()
+
+  def sweep_shape(self, results, N, HV, D, bvs, warps, budget):
+    """Every (BV, num_warps) at one shape: 16 steps from the same cache, against the reference."""
+    S = N
+    x, state0, slots, inter0 = self.inputs(N, HV, D, S, seed=7)
+    ref_o, ref_state = self.reference(x, state0, slots, inter0, steps=self.loop_steps)
+    default = self.configs.decode_config(N, HV, self.K, self.V)
+    rows = []
+    for BV in bvs:
+      for w in warps:
+        row = dict(N=N, HV=HV, D=D, S=S, BV=BV, num_warps=w,
+                   default_cfg=f"BV{default.BV}w{default.num_warps}",
+                   is_default=(BV == default.BV and w == default.num_warps))
+
+        def body(row, BV=BV, w=w):
+          self.configs.DECODE_OVERRIDE = self.configs.DecodeConfig(BV=BV, num_warps=w)
+          try:
+            loop = self.step_fn(D > 1, steps=self.loop_steps)  # traced now, under the override
+            o, st, _ = loop(self.copy(state0), self.copy(inter0), x["q"], x["k"], x["v"], x["g"],
+                            x["beta"], slots)
+            row["err_ref"] = common.worst(common.rel_err(o, ref_o),
+                                 common.rel_err(st[slots[:CHECK_ROWS]],
+                                                ref_state[slots[:CHECK_ROWS]]))
+            t = common.time_jax(self.run_chain(loop, st, None if D == 1 else self.copy(inter0),
+                                               x, slots))
+            row["loop_ms"], row["spread"] = t["ms"] / self.loop_steps, t["spread"]
+            row["TBps"] = (self.state_bytes(N, HV, D, "float32", D > 1)
+                           / (row["loop_ms"] * 1e-3) / 1e12)
+          finally:
+            self.configs.DECODE_OVERRIDE = None
+
+        rows.append(common.run_row(results, "sweep", row, body, budget))
+    ok = [r for r in rows if r.get("loop_ms") and r.get("err_ref", 1.0) < OK_ERR]
+    if ok:
+      best = dict(min(ok, key=lambda r: r["loop_ms"]))
+      dflt = [r for r in rows if r["is_default"] and r.get("loop_ms")]
+      best["default_loop_ms"] = dflt[0]["loop_ms"] if dflt else None
+      results.add("sweep_best", best)
+    common.print_table(f"sweep N={N} HV={HV} D={D} (loop ms per step)", rows, SWEEP_COLS)
+
+
+SWEEP_COLS = [
+    ("BV", "BV", "d"), ("num_warps", "warps", "d"), ("is_default", "default", ""),
+    ("loop_ms", "loop_ms", ".4f"), ("spread", "spread", ".2f"), ("TBps", "TB/s", ".2f"),
+    ("err_ref", "err_ref", ".1e"),
+]
+MAIN_COLS = [
+    ("N", "N", "d"), ("HV", "HV", "d"), ("D", "D", "d"), ("S", "S", "d"),
+    ("state_dtype", "state", "s"), ("cfg", "cfg", "s"),
+    ("ours_ms", "ours_ms", ".4f"), ("ours_spread", "spr", ".2f"),
+    ("ours_loop_ms", "loop_ms", ".4f"), ("TBps_loop", "TB/s", ".2f"),
+    ("frac_copy", "/copy", ".2f"), ("copy_floor_ms", "floor_ms", ".4f"),
+    ("fla_ms", "fla_ms", ".4f"), ("fla_graph_ms", "fla_graph", ".4f"),
+    ("fla_TBps_graph", "fla_TB/s", ".2f"), ("ours_over_fla", "ours/fla", ".2f"),
+    ("ours_over_fla_graph", "loop/graph", ".2f"),
+    ("err_ref_o", "err_ref_o", ".1e"), ("err_ref_state", "err_ref_h", ".1e"),
+    ("err_fla_o", "err_fla_o", ".1e"), ("err_fla_state", "err_fla_h", ".1e"),
+    ("err_snapshot", "err_snap", ".1e"), ("row_s", "row_s", ".1f"),
+]
+
+
+def main():
+  args = parse_args()
+  common.setup_env(args.cpu_smoke)
+  out = common.out_dir(args.out)
+  budget = common.Budget(args.budget_s)
+  b = Bench(args)
+  results = common.Results(os.path.join(out, "decode.json"),
+                           dict(common.versions(), smoke=b.smoke, backend=b.backend, H=b.H, K=b.K,
+                                V=b.V, M=b.M, loop_steps=b.loop_steps))
+  print("[decode] versions:", results.data["meta"])
+  parts = set(args.parts.split(","))
+  try:
+    # 1. Copy bandwidth, the ceiling for a step that streams its state.
+    if "copy" in parts:
+      try:
+        c = common.copy_bandwidth_jax((16 << 20) if b.smoke else (4 << 30))
+        b.copy_Bps = c["Bps"]
+        results.set_meta(copy_Bps=c["Bps"], copy_ms=c["ms"], copy_bytes=c["bytes"])
+        print(f"[decode] copy bandwidth (jax, read + write): {c['Bps'] / 1e12:.3f} TB/s "
+              f"({c['bytes'] / 2**30:.2f} GiB in {c['ms']:.3f} ms, spread {c['spread']:.2f})")
+        if b.fla is not None:
+          ct = common.copy_bandwidth_torch(4 << 30)
+          results.set_meta(copy_Bps_torch=ct["Bps"])
+          print(f"[decode] copy bandwidth (torch copy_): {ct['Bps'] / 1e12:.3f} TB/s")
+      except Exception as e:
+        print(f"[decode] copy bandwidth failed: {type(e).__name__}: {e}")
+      common.free_device_memory()
+
+    # 2. First call: compile cost (first, while the Triton cache is empty).
+    if "first" in parts:
+      try:
+        b.first_call(results)
+      except Exception as e:
+        results.set_meta(compile_error=f"{type(e).__name__}: {e}"[:800])
+        print(f"[decode] first-call timing failed: {type(e).__name__}: {e}")
+      common.free_device_memory()
+
+    # 3. + 4. The main table and the bf16 cache, most informative rows first so that a budget
+    # cut drops the least: the bandwidth-bound D = 1 rows, then snapshots (D = 4).
+    if b.smoke:
+      shapes = [(1, 2, 1, 1), (2, 2, 2, 2), (2, 2, 1, 16)]
+      bf16_shapes = [(2, 2, 1, 2)]
+    else:
+      shapes = [(256, 16, 1, 256), (256, 16, 1, 8 * 256)]
+      shapes += [(N, 16, 1, N) for N in (1, 8, 64)]
+      shapes += [(N, 32, 1, N) for N in (1, 8, 64, 256)]
+      shapes += [(N, HV, 4, N) for HV in (16, 32) for N in (1, 8, 64, 256)]
+      bf16_shapes = [(256, 16, 1, 256)]
+    rows = []
+    plan = []
+    if "main" in parts:
+      plan += [dict(N=N, HV=HV, D=D, S=S, state_dtype="float32") for N, HV, D, S in shapes]
+    if "bf16" in parts:
+      plan += [dict(N=N, HV=HV, D=D, S=S, state_dtype="bfloat16") for N, HV, D, S in bf16_shapes]
+    if "main" in parts and "bf16" in parts and not b.smoke:
+      plan.insert(5, plan.pop())  # the bf16 cache right after the HV = 16, D = 1 rows
+    for row in plan:
+      rows.append(common.run_row(results, "decode", row, b.main_row, budget))
+    if rows:
+      common.print_table(f"decode step (ms; loop = per step of {b.loop_steps} in one jit / "
+                         "one CUDA graph)", rows, MAIN_COLS)
+
+    # 5. Config sweep.
+    if "sweep" in parts:
+      if b.smoke:
+        sweep = [((2, 2, 1), (8, 16), (1, 2))]
+      else:
+        sweep = [((N, 16, 1), (8, 16, 32, 64), (1, 2, 4, 8)) for N in (256, 1, 8)]
+      for (N, HV, D), bvs, warps in sweep:
+        if budget.over():
+          print(f"[decode] sweep N={N} skipped: budget spent")
+          continue
+        try:
+          b.sweep_shape(results, N, HV, D, bvs, warps, budget)
+        except Exception as e:
+          print(f"[decode] sweep N={N} failed: {type(e).__name__}: {e}")
+        common.free_device_memory()
+      common.print_table("sweep: best config per shape", results.data["sections"].get(
+          "sweep_best", []), common.SWEEP_BEST_COLS)
+  except KeyboardInterrupt:
+    results.set_meta(interrupted=True)
+    print("[decode] interrupted; partial results saved")
+  results.set_meta(elapsed_s=budget.elapsed())
+  print(f"[decode] done in {budget.elapsed():.1f} s; results in {results.path}")
+
+
+if __name__ == "__main__":
+  main()

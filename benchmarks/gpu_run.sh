@@ -1,0 +1,113 @@
+#!/usr/bin/env bash
+# One call on the H200: environment, the GPU tests, the decode and prefill benchmarks, and a
+# short summary printed last (the reply carries only the end of the output).
+#
+# Run from the repository root, with the two wheels (.whl/, carried) installed first:
+#   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+#     --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD; bash benchmarks/gpu_run.sh
+#
+# Files under $OUT (default ./bench_out): gpu_tests.log, bench.log (environment and benchmark
+# output), decode.json, prefill.json, summary.txt.
+# Wall-clock caps per step (seconds; the sum must stay under the lease's 10-minute call):
+#   GDP_TEST_BUDGET (180), GDP_DECODE_BUDGET (180), GDP_PREFILL_BUDGET (150).
+# GDP_STEPS picks steps (default "tests,decode,prefill"); GDP_BENCH_ARGS is appended to both
+# benchmark command lines (e.g. "--skip-fla", or "--cpu-smoke" to rehearse this script on a CPU
+# machine), GDP_DECODE_ARGS / GDP_PREFILL_ARGS to one (e.g. GDP_STEPS=decode
+# GDP_DECODE_ARGS="--parts copy,sweep" for a second call that only sweeps decode configs);
+# GDP_SITE replaces /tmp/site.
+# Each step runs even if an earlier one failed; no step can hang the call past its cap.
+set -u
+cd "$(dirname "$0")/.."
+REPO=$PWD
+OUT=${OUT:-$REPO/bench_out}
+mkdir -p "$OUT"
+export OUT
+LOG=$OUT/bench.log
+: >"$LOG"
+T_TESTS=${GDP_TEST_BUDGET:-180}
+T_DECODE=${GDP_DECODE_BUDGET:-180}
+T_PREFILL=${GDP_PREFILL_BUDGET:-150}
+T0=$(date +%s)
+stamp() { echo "[gpu_run +$(( $(date +%s) - T0 ))s] $*" | tee -a "$LOG"; }
+
+export PYTHONUNBUFFERED=1
+export FLA_CACHE_RESULTS=0                # fla-core would otherwise cache autotune results on disk
+export TRITON_CACHE_DIR=/tmp/triton_cache  # a real directory (importing jax_triton empties it)
+mkdir -p "$TRITON_CACHE_DIR"
+
+# 0. Make `import gdp_kernels` work: the package folder is kernels/ (pyproject maps the name),
+#    so install the project (no network: setuptools is on the machine) into /tmp/site beside
+#    the wheels. The repository root goes first on the path so that `python3 -m pytest` (which
+#    puts the working directory first anyway) and the benchmark scripts import the same gdp_jax;
+#    gdp_kernels exists only in /tmp/site. If the install fails, a symlink named gdp_kernels
+#    to kernels/ does the same job.
+SITE=${GDP_SITE:-/tmp/site}
+BENCH_ARGS=${GDP_BENCH_ARGS:-}
+STEPS=",${GDP_STEPS:-tests,decode,prefill},"
+stamp "installing the project into $SITE"
+# Built from a copy of the files the package needs, so the build leaves no build/ folder behind.
+BUILD=$(mktemp -d /tmp/gdp_build.XXXXXX)
+cp -r pyproject.toml README.md gdp_jax kernels "$BUILD"/
+if ! python3 -m pip install -q --no-deps --no-build-isolation --no-index --no-compile \
+    --no-cache-dir --upgrade --target "$SITE" "$BUILD" >>"$LOG" 2>&1; then
+  stamp "pip install of the project failed (see above); using a gdp_kernels symlink instead"
+  mkdir -p /tmp/gdp_alias && ln -sfn "$REPO/kernels" /tmp/gdp_alias/gdp_kernels
+  SITE="$SITE:/tmp/gdp_alias"
+fi
+export PYTHONPATH="$REPO:$SITE${PYTHONPATH:+:$PYTHONPATH}"
+
+# 1. Environment.
+{
+  echo "== environment"
+  nvidia-smi -L
+  nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,memory.used,memory.total,temperature.gpu,power.draw --format=csv
+  python3 - <<'EOF'
+import importlib, sys
+print("python", sys.version.split()[0])
+for m in ("jax", "jaxlib", "triton", "torch", "jax_triton", "fla", "numpy", "gdp_jax", "gdp_kernels"):
+  try:
+    mod = importlib.import_module(m)
+    print(f"{m:12s} {getattr(mod, '__version__', '')!s:10s} {getattr(mod, '__file__', '')}")
+  except Exception as e:
+    print(f"{m:12s} FAILED {type(e).__name__}: {e}")
+import jax
+print("jax devices:", jax.devices())
+EOF
+} 2>&1 | tee -a "$LOG"
+
+# 2. The GPU tests, all of them (no -x), each capped by pytest-timeout, the whole step by
+#    `timeout` (SIGINT first, so pytest still prints its summary of what ran).
+if [[ $STEPS == *,tests,* ]]; then
+  stamp "pytest -m gpu (cap ${T_TESTS}s)"
+  PER_TEST=()
+  python3 -c "import pytest_timeout" 2>/dev/null && PER_TEST=(--timeout 300)
+  timeout -s INT -k 20 "$T_TESTS" python3 -m pytest -m gpu -q -ra ${PER_TEST[@]+"${PER_TEST[@]}"} tests/ \
+    >"$OUT/gpu_tests.log" 2>&1
+  rc=$?
+  msg="pytest exit $rc$([ $rc -eq 124 ] && echo ' (TIMED OUT: the counts below cover what ran)')"
+  echo "[gpu_run] $msg" >>"$OUT/gpu_tests.log"  # the summary reads it from there
+  tail -n 60 "$OUT/gpu_tests.log"
+  stamp "$msg"
+fi
+
+# 3. + 4. Benchmarks. The scripts stop starting rows a margin before their cap (--budget-s) and
+#    write their JSON after every row, so a capped run still returns what it measured.
+if [[ $STEPS == *,decode,* ]]; then
+  stamp "benchmarks/decode.py (cap ${T_DECODE}s)"
+  timeout -s INT -k 20 "$T_DECODE" python3 benchmarks/decode.py --budget-s $((T_DECODE - 30)) \
+    $BENCH_ARGS ${GDP_DECODE_ARGS:-} 2>&1 | tee -a "$LOG"
+  rc=${PIPESTATUS[0]}
+  stamp "decode.py exit $rc$([ $rc -eq 124 ] && echo ' (TIMED OUT)')"
+fi
+
+if [[ $STEPS == *,prefill,* ]]; then
+  stamp "benchmarks/prefill.py (cap ${T_PREFILL}s)"
+  timeout -s INT -k 20 "$T_PREFILL" python3 benchmarks/prefill.py --budget-s $((T_PREFILL - 45)) \
+    $BENCH_ARGS ${GDP_PREFILL_ARGS:-} 2>&1 | tee -a "$LOG"
+  rc=${PIPESTATUS[0]}
+  stamp "prefill.py exit $rc$([ $rc -eq 124 ] && echo ' (TIMED OUT)')"
+fi
+
+# 5. Summary, last.
+python3 benchmarks/common.py --summary "$OUT" 2>&1 | tee "$OUT/summary.txt"
+stamp "done; files in $OUT: $(ls "$OUT" | tr '\n' ' ')"

@@ -1,0 +1,260 @@
+"""Prefill benchmark: `gdp_jax.chunk_gated_delta_product` against fla-core's chunked kernel.
+
+Rows (bf16 q/k/v/beta, float32 log decays, q and k L2-normalised in the kernel on both sides,
+output_final_state=True; fla-core has no GVA, so HV == H everywhere):
+
+  B=4 T=2048 H=16 K=V=128 M=2 | the same with M=3 | B=1 T=8192 H=16 M=2 |
+  B=8 T=4096 H=32 M=2 | B=4 T=2048 H=6 K=256 V=512 M=2 (the FLA layer's defaults)
+
+Per row: our jitted time, fla-core's (do_bench median), the two floors (matmul FLOPs of the
+chunked algorithm over 790 TFLOP/s, and the bytes that must move over the copy bandwidth
+measured in this process), and the relative error of ours against fla on o and the final
+state (about 1e-2 or less is bf16 agreement; a miscompiled config on Hopper shows as O(1)).
+For the first row also: the first-call cost (lowering, where jax_triton compiles the Triton
+kernels, XLA compile, first run) and the jitted `lax.scan` reference, whose time over ours is
+the speed-up the project targets (>= 50x), plus the chunked jnp reference.
+
+Numbers go to $OUT/prefill.json after every row; tables to stdout. `--cpu-smoke` runs tiny
+shapes through Triton's interpreter without torch or fla, to prove the plumbing.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import common  # noqa: E402
+
+BT = 64                # chunk length of the chunked algorithm
+MATMUL_FLOPS = 790e12  # dense bf16 matmul rate measured on the H200 (shared/gpu/README.md)
+
+
+def parse_args():
+  p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  p.add_argument("--cpu-smoke", action="store_true",
+                 help="tiny shapes, Triton interpreter, no torch/fla (plumbing check)")
+  p.add_argument("--budget-s", type=float, default=240.0,
+                 help="stop starting rows after this many seconds")
+  p.add_argument("--out", default=None, help="output folder (default $OUT or ./bench_out)")
+  p.add_argument("--skip-fla", action="store_true")
+  p.add_argument("--skip-ref", action="store_true", help="skip the reference timings")
+  return p.parse_args()
+
+
+def flops(B, T, H, K, V, M):
+  """Matmul FLOPs of the chunked forward (the solve's triangular work is left out).
+
+  Per 64-row chunk of the expanded stream and head: K K^T (64*64*K*2), w and u
+  (64*64*(K+V)*2), the state scan w@S and K^T@D (2 * 64*K*V*2). Per 64-token chunk and head:
+  Q S (64*K*V*2), Q K^T and P@D over the chunk's M*64 expanded rows (M*64*64*(K+V)*2).
+  """
+  n_exp = math.ceil(T * M / BT)
+  n_tok = math.ceil(T / BT)
+  per_exp = BT * BT * K * 2 + BT * BT * (K + V) * 2 + BT * K * V * 2 * 2
+  per_tok = BT * K * V * 2 + M * BT * BT * K * 2 + M * BT * BT * V * 2
+  return B * H * (n_exp * per_exp + n_tok * per_tok)
+
+
+def min_bytes(B, T, H, K, V, M):
+  """q, k, v, g, beta read once (bf16, g float32), o written once (bf16), final state float32."""
+  return (B * T * H * K * 2 + B * T * M * H * K * 2 + B * T * M * H * V * 2 + B * T * H * 4
+          + B * T * M * H * 2 + B * T * H * V * 2 + B * H * K * V * 4)
+
+
+class Bench:
+
+  def __init__(self, args):
+    self.smoke = args.cpu_smoke
+    self.skip_ref = args.skip_ref
+    import jax
+    import jax.numpy as jnp
+    import gdp_jax
+    common.fix_triton_cache()
+    self.jax, self.jnp, self.gdp_jax = jax, jnp, gdp_jax
+    self.backend = "interpret" if self.smoke else "triton"
+    self.copy_Bps = None
+    self.fla = None
+    if not (self.smoke or args.skip_fla):
+      try:
+        import torch
+        from fla.ops.gated_delta_product import chunk_gated_delta_product
+        torch.set_grad_enabled(False)  # fla saves tensors for backward only when grad is on
+        self.torch, self.fla = torch, chunk_gated_delta_product
+      except Exception as e:
+        print(f"[prefill] fla-core unavailable, its columns stay empty: {type(e).__name__}: {e}")
+      common.fix_triton_cache()
+
+  def inputs(self, B, T, H, K, V, M, seed=0):
+    """bf16 activations, logsigmoid decays in float32, beta = sigmoid(normal) in (0, 1)."""
+    jax, jnp = self.jax, self.jnp
+    ks = jax.random.split(jax.random.PRNGKey(seed), 5)
+    bf16 = jnp.bfloat16
+    return dict(
+        q=jax.random.normal(ks[0], (B, T, H, K), jnp.float32).astype(bf16),
+        k=jax.random.normal(ks[1], (B, T * M, H, K), jnp.float32).astype(bf16),
+        v=jax.random.normal(ks[2], (B, T * M, H, V), jnp.float32).astype(bf16),
+        g=jax.nn.log_sigmoid(jax.random.uniform(ks[3], (B, T, H), jnp.float32, 1.0, 5.0)),
+        beta=jax.nn.sigmoid(jax.random.normal(ks[4], (B, T * M, H), jnp.float32)).astype(bf16),
+    )
+
+  def ours_fn(self, M, fn=None, backend=None):
+    jax = self.jax
+    fn = fn or self.gdp_jax.chunk_gated_delta_product
+    kw = {} if backend is None else dict(backend=backend)
+
+    def f(q, k, v, g, beta):
+      return fn(q, k, v, g, beta, num_householder=M, output_final_state=True,
+                use_qk_l2norm_in_kernel=True, **kw)
+
+    return jax.jit(f)
+
+  def first_call(self, results, shape):
+    """Lowering (jax_triton compiles every Triton kernel here, into an empty cache), XLA
+    compile and the first run of the prefill at `shape`."""
+    x = self.inputs(*shape)
+    f = self.ours_fn(shape[-1], backend=self.backend)
+    args = (x["q"], x["k"], x["v"], x["g"], x["beta"])
+    t0 = time.perf_counter()
+    lowered = f.lower(*args)
+    t1 = time.perf_counter()
+    compiled = lowered.compile()
+    t2 = time.perf_counter()
+    self.jax.block_until_ready(compiled(*args))
+    t3 = time.perf_counter()
+    results.set_meta(compile_lower_s=t1 - t0, compile_xla_s=t2 - t1, compile_first_run_s=t3 - t2)
+    print(f"[prefill] first call {shape}: lower (Triton compile) {t1 - t0:.2f} s, "
+          f"XLA compile {t2 - t1:.2f} s, first run {t3 - t2:.3f} s")
+
+  def row(self, row, with_ref, results):
+    B, T, H, K, V, M = (row[n] for n in ("B", "T", "H", "K", "V", "M"))
+    x = self.inputs(B, T, H, K, V, M, seed=B * 7 + T + M)
+    args = (x["q"], x["k"], x["v"], x["g"], x["beta"])
+    row["flops"] = flops(B, T, H, K, V, M)
+    row["bytes"] = min_bytes(B, T, H, K, V, M)
+    row["flop_floor_ms"] = row["flops"] / MATMUL_FLOPS * 1e3
+    if self.copy_Bps:
+      row["byte_floor_ms"] = row["bytes"] / self.copy_Bps * 1e3
+
+    f = self.ours_fn(M, backend=self.backend)
+    o, ht = f(*args)
+    self.jax.block_until_ready((o, ht))
+    row["finite"] = bool(self.jnp.all(self.jnp.isfinite(o.astype(self.jnp.float32)))
+                         and self.jnp.all(self.jnp.isfinite(ht)))
+    t = common.time_jax(lambda: f(*args))
+    row["ours_ms"], row["ours_spread"] = t["ms"], t["spread"]
+    floor = max(row["flop_floor_ms"], row.get("byte_floor_ms") or 0.0)
+    row["ours_over_floor"] = row["ours_ms"] / floor
+    row["TFLOPs"] = row["flops"] / (row["ours_ms"] * 1e-3) / 1e12
+
+    fo = None
+    if self.fla is not None:
+      tq, tk, tv, tg, tb = (common.to_torch(x[n]) for n in ("q", "k", "v", "g", "beta"))
+
+      def fla_call():
+        return self.fla(tq, tk, tv, tg, tb, num_householder=M, output_final_state=True,
+                        use_qk_l2norm_in_kernel=True)
+
+      t0 = time.perf_counter()
+      fo, fht = fla_call()  # autotunes on first call
+      self.torch.cuda.synchronize()
+      row["fla_first_call_s"] = time.perf_counter() - t0
+      row["err_fla_o"] = common.rel_err(o, fo)
+      row["err_fla_state"] = common.rel_err(ht, fht)
+      row["fla_ms"] = common.time_torch(fla_call)
+      row["ours_over_fla"] = row["ours_ms"] / row["fla_ms"]
+      del tq, tk, tv, tg, tb, fht
+
+    if with_ref and not self.skip_ref:
+      self.reference_columns(row, results, args, M, o, fo)
+    del o, ht, x, args, fo
+    common.free_device_memory()
+
+  def reference_columns(self, row, results, args, M, o, fla_o):
+    """The jnp references on the same inputs: the token scan (the oracle and the >=50x
+    baseline) and the chunked WY form. Errors of ours and of fla against the scan."""
+    ref = self.gdp_jax.reference
+    f = self.ours_fn(M, fn=ref.chunk_gated_delta_product)
+    ro, rh = f(*args)
+    row["err_ref_o"] = common.rel_err(o, ro)
+    if fla_o is not None:
+      row["err_fla_ref_o"] = common.rel_err(fla_o, ro)
+    t = common.time_jax(lambda: f(*args), repeats=3, warmup=1)
+    row["ref_scan_ms"] = t["ms"]
+    row["ref_over_ours"] = t["ms"] / row["ours_ms"]
+    results.set_meta(ref_scan_ms=t["ms"], ref_over_ours=row["ref_over_ours"])
+    print(f"[prefill] reference scan {t['ms']:.2f} ms = {row['ref_over_ours']:.1f}x ours")
+    del ro, rh
+    try:
+      fc = self.ours_fn(M, fn=ref.chunk_gated_delta_product_chunked)
+      co, _ = fc(*args)
+      row["err_ref_chunked_o"] = common.rel_err(co, o)
+      t = common.time_jax(lambda: fc(*args), repeats=3, warmup=1)
+      row["ref_chunked_ms"] = t["ms"]
+      results.set_meta(ref_chunked_ms=t["ms"])
+    except Exception as e:
+      row["ref_chunked_error"] = f"{type(e).__name__}: {e}"[:300]
+
+
+COLS = [
+    ("B", "B", "d"), ("T", "T", "d"), ("H", "H", "d"), ("K", "K", "d"), ("V", "V", "d"),
+    ("M", "M", "d"), ("ours_ms", "ours_ms", ".3f"), ("ours_spread", "spr", ".2f"),
+    ("fla_ms", "fla_ms", ".3f"), ("ours_over_fla", "ours/fla", ".2f"),
+    ("flop_floor_ms", "flop_floor", ".3f"), ("byte_floor_ms", "byte_floor", ".3f"),
+    ("ours_over_floor", "/floor", ".1f"), ("TFLOPs", "TFLOP/s", ".0f"),
+    ("err_fla_o", "err_fla_o", ".1e"), ("err_fla_state", "err_fla_h", ".1e"),
+    ("err_ref_o", "err_ref_o", ".1e"), ("err_fla_ref_o", "fla_vs_ref", ".1e"),
+    ("ref_scan_ms", "ref_scan", ".1f"), ("ref_over_ours", "ref/ours", ".0f"),
+    ("fla_first_call_s", "fla_1st_s", ".1f"), ("row_s", "row_s", ".1f"),
+]
+
+
+def main():
+  args = parse_args()
+  common.setup_env(args.cpu_smoke)
+  out = common.out_dir(args.out)
+  budget = common.Budget(args.budget_s)
+  b = Bench(args)
+  results = common.Results(os.path.join(out, "prefill.json"),
+                           dict(common.versions(), smoke=b.smoke, backend=b.backend,
+                                matmul_flops=MATMUL_FLOPS))
+  print("[prefill] versions:", results.data["meta"])
+  if b.smoke:
+    shapes = [(1, 128, 2, 32, 32, 2), (1, 96, 2, 32, 16, 3)]
+  else:
+    shapes = [(4, 2048, 16, 128, 128, 2), (4, 2048, 16, 128, 128, 3), (1, 8192, 16, 128, 128, 2),
+              (8, 4096, 32, 128, 128, 2), (4, 2048, 6, 256, 512, 2)]
+  rows = []
+  try:
+    try:
+      c = common.copy_bandwidth_jax((16 << 20) if b.smoke else (4 << 30))
+      b.copy_Bps = c["Bps"]
+      results.set_meta(copy_Bps=c["Bps"])
+      print(f"[prefill] copy bandwidth (jax, read + write): {c['Bps'] / 1e12:.3f} TB/s")
+    except Exception as e:
+      print(f"[prefill] copy bandwidth failed: {type(e).__name__}: {e}")
+    common.free_device_memory()
+    try:
+      b.first_call(results, shapes[0])
+    except Exception as e:
+      results.set_meta(compile_error=f"{type(e).__name__}: {e}"[:800])
+      print(f"[prefill] first-call timing failed: {type(e).__name__}: {e}")
+    common.free_device_memory()
+    for i, (B, T, H, K, V, M) in enumerate(shapes):
+      row = dict(B=B, T=T, H=H, K=K, V=V, M=M)
+      rows.append(common.run_row(results, "prefill", row,
+                                 lambda r, i=i: b.row(r, with_ref=(i == 0), results=results),
+                                 budget))
+  except KeyboardInterrupt:
+    results.set_meta(interrupted=True)
+    print("[prefill] interrupted; partial results saved")
+  common.print_table("prefill (ms; floors: FLOPs / 790 TFLOP/s, bytes / copy bandwidth)", rows,
+                     COLS)
+  results.set_meta(elapsed_s=budget.elapsed())
+  print(f"[prefill] done in {budget.elapsed():.1f} s; results in {results.path}")
+
+
+if __name__ == "__main__":
+  main()
