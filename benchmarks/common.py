@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import signal
 import statistics
 import sys
@@ -467,8 +468,11 @@ def summary(d: str) -> None:
     with open(log, errors="replace") as f:
       lines = f.read().splitlines()
     bad = [l for l in lines if l.startswith(("FAILED", "ERROR", "[gpu_run]"))]
-    tail = [l for l in lines if (" passed" in l or " failed" in l or " error" in l) and "==" in l]
-    print("tests:", tail[-1] if tail else (lines[-1] if lines else "(empty log)"))
+    # pytest's closing line, e.g. "3 failed, 40 passed, 192 deselected in 95.1s" (-q drops
+    # the "=" framing), which pytest still prints when interrupted by the step's timeout.
+    closing = re.compile(r"\d+ (passed|failed|errors?|skipped|deselected)\b.* in [\d.]+s")
+    tail = [l for l in lines if closing.search(l)]
+    print("tests:", tail[-1].strip("= ") if tail else "(no pytest closing line in gpu_tests.log)")
     for l in bad[:20]:
       print("  " + l[:200])
     if len(bad) > 20:

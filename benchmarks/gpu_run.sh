@@ -81,7 +81,7 @@ if [[ $STEPS == *,tests,* ]]; then
   stamp "pytest -m gpu (cap ${T_TESTS}s)"
   PER_TEST=()
   python3 -c "import pytest_timeout" 2>/dev/null && PER_TEST=(--timeout 300)
-  timeout -s INT -k 20 "$T_TESTS" python3 -m pytest -m gpu -q -ra ${PER_TEST[@]+"${PER_TEST[@]}"} tests/ \
+  timeout -s INT -k 10 "$T_TESTS" python3 -m pytest -m gpu -q -ra ${PER_TEST[@]+"${PER_TEST[@]}"} tests/ \
     >"$OUT/gpu_tests.log" 2>&1
   rc=$?
   msg="pytest exit $rc$([ $rc -eq 124 ] && echo ' (TIMED OUT: the counts below cover what ran)')"
@@ -94,7 +94,7 @@ fi
 #    write their JSON after every row, so a capped run still returns what it measured.
 if [[ $STEPS == *,decode,* ]]; then
   stamp "benchmarks/decode.py (cap ${T_DECODE}s)"
-  timeout -s INT -k 20 "$T_DECODE" python3 benchmarks/decode.py --budget-s $((T_DECODE - 30)) \
+  timeout -s INT -k 10 "$T_DECODE" python3 benchmarks/decode.py --budget-s $((T_DECODE - 30)) \
     $BENCH_ARGS ${GDP_DECODE_ARGS:-} 2>&1 | tee -a "$LOG"
   rc=${PIPESTATUS[0]}
   stamp "decode.py exit $rc$([ $rc -eq 124 ] && echo ' (TIMED OUT)')"
@@ -102,7 +102,7 @@ fi
 
 if [[ $STEPS == *,prefill,* ]]; then
   stamp "benchmarks/prefill.py (cap ${T_PREFILL}s)"
-  timeout -s INT -k 20 "$T_PREFILL" python3 benchmarks/prefill.py --budget-s $((T_PREFILL - 45)) \
+  timeout -s INT -k 10 "$T_PREFILL" python3 benchmarks/prefill.py --budget-s $((T_PREFILL - 45)) \
     $BENCH_ARGS ${GDP_PREFILL_ARGS:-} 2>&1 | tee -a "$LOG"
   rc=${PIPESTATUS[0]}
   stamp "prefill.py exit $rc$([ $rc -eq 124 ] && echo ' (TIMED OUT)')"
