@@ -37,6 +37,8 @@ BT = 64
 class _PrefillConfig:
   """Block sizes and warps. Pinned, not autotuned: BK and BV set the summation order, and
   repeat runs must be bitwise equal (ALGORITHM.md §10.4)."""
+  # Warps were chosen from sm_90a compiles (ptxas -v, triton 3.9) as the fewest that leave no
+  # register spills at K=128/V=128 and K=256/V=512; they are not timed yet (benchmarks/).
   # Stage 1: 64 rows x all heads per program, a few hundred scalars; one warp is plenty.
   cumsum_warps: int = 1
   # Stage 2: K is swept in 64-wide slices, the width of one key tile of the scan (Megatron
@@ -45,22 +47,24 @@ class _PrefillConfig:
   kkt_warps: int = 4
   # Stage 3: sixteen 16x16 blocks and a 14-step loop; 4 warps cover a 64x64 chunk.
   solve_warps: int = 4
-  # Stage 4: one 64x64 Ai block times 64-wide slices of K and V.
+  # Stage 4: one 64x64 Ai block times 64-wide slices of K and V; spills with 4 warps.
   wy_bk: int = 64
   wy_bv: int = 64
-  wy_warps: int = 4
+  wy_warps: int = 8
   # Stage 5: BV 64 when the scan has enough programs to fill the GPU and the state fits (K up
-  # to 128: two 64x64 float32 tiles); 32 for K > 128 (four tiles would spill) or when
-  # N*HV*ceil(V/64) programs would leave SMs idle (a long sequence with few heads).
+  # to 128: two 64x64 float32 tiles); 32 for K > 128 (four tiles) or when N*HV*ceil(V/64)
+  # programs would leave SMs idle (a long sequence with few heads). 8 warps: the scan is a
+  # sequential chain of small dots, and 4 warps spill at BV = 64.
   h_bv_wide: int = 64
   h_bv_narrow: int = 32
   h_min_programs: int = 264  # two programs per SM of an H200 (132 SMs)
-  h_warps: int = 4
+  h_warps: int = 8
   h_stages: int = 2
-  # Stage 6: 64 x 64 output tiles, K in 64-wide slices (the sources use {64, 128}).
+  # Stage 6: 64 x 64 output tiles, K in 64-wide slices (the sources use {64, 128}); spills
+  # with 4 warps.
   o_bk: int = 64
   o_bv: int = 64
-  o_warps: int = 4
+  o_warps: int = 8
   o_stages: int = 2
 
 
@@ -241,7 +245,7 @@ def _chunk_gated_delta_product_fwd(
     q, k, v, g, beta, *, num_householder, scale, initial_state, output_final_state,
     use_qk_l2norm_in_kernel, cu_seqlens, state, state_indices, return_chunk_states,
     chunk_states_dtype, backend):
-  """The chunked prefill on the Triton kernels; matches `gdp_jax.reference.chunk_gated_delta_product`.
+  """Chunked prefill on the Triton kernels; matches `gdp_jax.reference.chunk_gated_delta_product`.
 
   Inputs were checked by the caller (`gdp_jax.prefill`); `scale` is a float.
 

@@ -45,28 +45,31 @@ def chunk_kkt_fwd_kernel(
   if i_n < 0:
     return
   i_c = tl.load(chunk_desc + 2 * i_d + 1)
-  # int64: row * H*K and row * HV*BT overflow int32 on long packed batches.
   bos = tl.load(cu_seqlens + i_n).to(tl.int64) * M
   eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64) * M
 
-  o_r = i_c * BT + tl.arange(0, BT)
-  o_c = tl.arange(0, BT)
-  mask_r = o_r < eos - bos
+  # The chunk's first row as an int64 scalar base: row * H*K and row * HV*BT overflow int32 on
+  # long packed batches, offsets inside the chunk do not (and keep the tiles' address math narrow).
+  row0 = bos + i_c * BT
+  n = tl.minimum(eos - row0, BT).to(tl.int32)
+  o_r = tl.arange(0, BT)
+  mask_r = o_r < n
   o_k = tl.arange(0, BK)
+  p_k = k + row0 * (H * K) + i_h * K
 
   b_A = tl.zeros([BT, BT], dtype=tl.float32)
   for i_k in range(tl.cdiv(K, BK)):
     mask_k = i_k * BK + o_k < K
-    p_k = k + (bos + o_r)[:, None] * (H * K) + i_h * K + i_k * BK + o_k[None, :]
-    b_k = tl.load(p_k, mask=mask_r[:, None] & mask_k[None, :], other=0.)
+    b_k = tl.load(p_k + o_r[:, None] * (H * K) + i_k * BK + o_k[None, :],
+                  mask=mask_r[:, None] & mask_k[None, :], other=0.)
     b_A += tl.dot(b_k, tl.trans(b_k), input_precision=DOT_PRECISION)
 
-  b_beta = tl.load(beta + (bos + o_r) * HV + i_hv, mask=mask_r, other=0.).to(tl.float32)
-  m_A = (o_c[:, None] > o_c[None, :]) & mask_r[:, None]
+  b_beta = tl.load(beta + row0 * HV + o_r * HV + i_hv, mask=mask_r, other=0.).to(tl.float32)
+  m_A = (o_r[:, None] > o_r[None, :]) & mask_r[:, None]
   if USE_G:
-    b_g = tl.load(g_cum + (bos + o_r) * HV + i_hv, mask=mask_r, other=0.)
+    b_g = tl.load(g_cum + row0 * HV + o_r * HV + i_hv, mask=mask_r, other=0.)
     # A select, not a product: above the diagonal Gx_a - Gx_b > 0 may overflow exp2 to inf.
     b_A = b_A * tl.where(m_A, tl.exp2(b_g[:, None] - b_g[None, :]), 0.)
   b_A = tl.where(m_A, b_A * b_beta[:, None], 0.)
-  p_A = A + (bos + o_r)[:, None] * (HV * BT) + i_hv * BT + o_c[None, :]
-  tl.store(p_A, b_A, mask=mask_r[:, None])
+  p_A = A + row0 * (HV * BT) + i_hv * BT
+  tl.store(p_A + o_r[:, None] * (HV * BT) + o_r[None, :], b_A, mask=mask_r[:, None])

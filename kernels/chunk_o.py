@@ -63,16 +63,19 @@ def chunk_o_fwd_kernel(
   if i_n < 0:
     return
   i_c = tl.load(chunk_desc + 2 * i_d + 1)
-  # int64: token * HV*V, row * H*K and chunk * HV*K*V overflow int32 on long packed batches.
+  # int64 scalar bases: token * HV*V, row * H*K and chunk * HV*K*V overflow int32 on long
+  # packed batches; offsets inside one chunk do not, and keep the tiles' address math narrow.
   bos = tl.load(cu_seqlens + i_n).to(tl.int64)
   eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
+  t0 = bos + i_c * BT
+  n = tl.minimum(eos - t0, BT).to(tl.int32)
 
-  o_t = i_c * BT + tl.arange(0, BT)
-  mask_t = o_t < eos - bos
+  o_t = tl.arange(0, BT)
+  mask_t = o_t < n
   o_v = i_v * BV + tl.arange(0, BV)
   mask_v = o_v < V
   m_tv = mask_t[:, None] & mask_v[None, :]
-  p_o = o + (bos + o_t)[:, None] * (HV * V) + i_hv * V + o_v[None, :]
+  p_o = o + t0 * (HV * V) + i_hv * V + (o_t[:, None] * (HV * V) + o_v[None, :])
 
   if HAS_STATE_INDICES:
     i_s = tl.load(state_indices + i_n)
@@ -82,8 +85,8 @@ def chunk_o_fwd_kernel(
       return
 
   o_k = tl.arange(0, BK)
-  p_q = q + (bos + o_t)[:, None] * (H * K) + i_h * K + o_k[None, :]
-  p_h = h + (i_d.to(tl.int64) * HV + i_hv) * (K * V) + o_k[:, None] * V + o_v[None, :]
+  p_q = q + t0 * (H * K) + i_h * K + (o_t[:, None] * (H * K) + o_k[None, :])
+  p_h = h + (i_d.to(tl.int64) * HV + i_hv) * (K * V) + (o_k[:, None] * V + o_v[None, :])
 
   b_o = tl.zeros([BT, BV], dtype=tl.float32)
   for i_k in range(tl.cdiv(K, BK)):
@@ -96,7 +99,7 @@ def chunk_o_fwd_kernel(
 
   m_A = (o_t[:, None] >= o_t[None, :]) & mask_t[:, None] & mask_t[None, :]
   if USE_G:
-    b_g = tl.load(g_cum + (bos + o_t) * HV + i_hv, mask=mask_t, other=0.)
+    b_g = tl.load(g_cum + t0 * HV + o_t * HV + i_hv, mask=mask_t, other=0.)
     b_o = b_o * tl.exp2(b_g)[:, None]
     # A select, not a product: above the diagonal Gu_a - Gu_b > 0 may overflow exp2 to inf.
     b_dec = tl.where(m_A, tl.exp2(b_g[:, None] - b_g[None, :]), 0.)
@@ -105,8 +108,7 @@ def chunk_o_fwd_kernel(
 
   for j in tl.static_range(M):
     # Copy j of token t is expanded row t*M + j: a row stride of M*H*K (keys), M*HV*V (values).
-    row = (bos + o_t) * M + j
-    p_k = k + row[None, :] * (H * K) + i_h * K + o_k[:, None]
+    p_k = k + (t0 * M + j) * (H * K) + i_h * K + (o_t[None, :] * (M * H * K) + o_k[:, None])
     b_A = tl.zeros([BT, BT], dtype=tl.float32)
     for i_k in range(tl.cdiv(K, BK)):
       mask_k = i_k * BK + o_k < K
@@ -114,7 +116,8 @@ def chunk_o_fwd_kernel(
       b_kt = tl.load(p_k + i_k * BK, mask=mask_k[:, None] & mask_t[None, :], other=0.)
       b_A += tl.dot(b_q, b_kt, input_precision=DOT_PRECISION)
     b_A = b_A * b_dec
-    p_d = v_new + row[:, None] * (HV * V) + i_hv * V + o_v[None, :]
+    p_d = (v_new + (t0 * M + j) * (HV * V) + i_hv * V
+           + (o_t[:, None] * (M * HV * V) + o_v[None, :]))
     b_d = tl.load(p_d, mask=m_tv, other=0.)
     b_o += tl.dot(b_A.to(b_d.dtype), b_d, input_precision=DOT_PRECISION)
 

@@ -52,39 +52,40 @@ def chunk_wy_fwd_kernel(
   if i_n < 0:
     return
   i_c = tl.load(chunk_desc + 2 * i_d + 1)
-  # int64: row * HV*V and row * H*K overflow int32 on long packed batches.
   bos = tl.load(cu_seqlens + i_n).to(tl.int64) * M
   eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64) * M
+  # The chunk's first row as an int64 scalar base: row * HV*V and row * H*K overflow int32 on
+  # long packed batches; offsets inside the chunk do not, and keep the tiles' address math narrow.
+  row0 = bos + i_c * BT
+  n = tl.minimum(eos - row0, BT).to(tl.int32)
+  o_r = tl.arange(0, BT)
+  mask_r = o_r < n
 
-  o_r = i_c * BT + tl.arange(0, BT)
-  o_c = tl.arange(0, BT)
-  mask_r = o_r < eos - bos
-  row = bos + o_r
-
-  b_Ai = tl.load(Ai + row[:, None] * (HV * BT) + i_hv * BT + o_c[None, :],
+  b_Ai = tl.load(Ai + row0 * (HV * BT) + i_hv * BT + (o_r[:, None] * (HV * BT) + o_r[None, :]),
                  mask=mask_r[:, None], other=0.)
-  b_beta = tl.load(beta + row * HV + i_hv, mask=mask_r, other=0.).to(tl.float32)
+  b_beta = tl.load(beta + row0 * HV + o_r * HV + i_hv, mask=mask_r, other=0.).to(tl.float32)
 
   o_v = tl.arange(0, BV)
+  off_v = o_r[:, None] * (HV * V) + o_v[None, :]
+  p_v = v + row0 * (HV * V) + i_hv * V
+  p_u = u + row0 * (HV * V) + i_hv * V
   for i_v in range(tl.cdiv(V, BV)):
-    mask_v = i_v * BV + o_v < V
-    m = mask_r[:, None] & mask_v[None, :]
-    p_v = v + row[:, None] * (HV * V) + i_hv * V + i_v * BV + o_v[None, :]
-    b_v = (tl.load(p_v, mask=m, other=0.).to(tl.float32) * b_beta[:, None]).to(b_Ai.dtype)
-    b_u = tl.dot(b_Ai, b_v, input_precision=DOT_PRECISION)
-    p_u = u + row[:, None] * (HV * V) + i_hv * V + i_v * BV + o_v[None, :]
-    tl.store(p_u, b_u.to(u.dtype.element_ty), mask=m)
+    m = mask_r[:, None] & (i_v * BV + o_v < V)[None, :]
+    b_v = (tl.load(p_v + (off_v + i_v * BV), mask=m, other=0.).to(tl.float32) * b_beta[:, None])
+    b_u = tl.dot(b_Ai, b_v.to(b_Ai.dtype), input_precision=DOT_PRECISION)
+    tl.store(p_u + (off_v + i_v * BV), b_u.to(u.dtype.element_ty), mask=m)
 
   b_kscale = b_beta
   if USE_G:
-    b_g = tl.load(g_cum + row * HV + i_hv, mask=mask_r, other=0.)
+    b_g = tl.load(g_cum + row0 * HV + o_r * HV + i_hv, mask=mask_r, other=0.)
     b_kscale = b_beta * tl.where(mask_r, tl.exp2(b_g), 0.)
   o_k = tl.arange(0, BK)
+  p_k = k + row0 * (H * K) + i_h * K
+  p_w = w + row0 * (HV * K) + i_hv * K
   for i_k in range(tl.cdiv(K, BK)):
-    mask_k = i_k * BK + o_k < K
-    m = mask_r[:, None] & mask_k[None, :]
-    p_k = k + row[:, None] * (H * K) + i_h * K + i_k * BK + o_k[None, :]
-    b_k = (tl.load(p_k, mask=m, other=0.).to(tl.float32) * b_kscale[:, None]).to(b_Ai.dtype)
-    b_w = tl.dot(b_Ai, b_k, input_precision=DOT_PRECISION)
-    p_w = w + row[:, None] * (HV * K) + i_hv * K + i_k * BK + o_k[None, :]
-    tl.store(p_w, b_w.to(w.dtype.element_ty), mask=m)
+    m = mask_r[:, None] & (i_k * BK + o_k < K)[None, :]
+    b_k = tl.load(p_k + (o_r[:, None] * (H * K) + i_k * BK + o_k[None, :]), mask=m, other=0.)
+    b_k = b_k.to(tl.float32) * b_kscale[:, None]
+    b_w = tl.dot(b_Ai, b_k.to(b_Ai.dtype), input_precision=DOT_PRECISION)
+    tl.store(p_w + (o_r[:, None] * (HV * K) + i_k * BK + o_k[None, :]), b_w.to(w.dtype.element_ty),
+             mask=m)

@@ -151,8 +151,8 @@ def make_inputs(c: Case, seed):
 
 
 def _upcast(tree):
-  up = lambda x: (x.astype(f64) if isinstance(x, jax.Array) and jnp.issubdtype(x.dtype, jnp.floating)
-                  else x)
+  floating = lambda x: isinstance(x, jax.Array) and jnp.issubdtype(x.dtype, jnp.floating)
+  up = lambda x: x.astype(f64) if floating(x) else x
   return jax.tree.map(up, tree)
 
 
