@@ -1,7 +1,7 @@
 """Gated Delta Product as a Flax NNX layer, with FLA's parameters and a slot-addressed cache.
 
 `GatedDeltaProduct` has the structure, the parameter names (see `from_fla_state_dict`) and the
-math of FLA's `fla.layers.GatedDeltaProduct`; per token t of a sequence, with C = M copies:
+math of FLA's `fla.layers.GatedDeltaProduct`; per token t of a sequence, M = num_householder:
 
     q, k, v = silu(causal_conv(x W_q)), silu(causal_conv(x W_k)), silu(causal_conv(x W_v))
                  # depthwise, kernel W = conv_size, no bias; k, v (and b) carry M copies each,
