@@ -60,16 +60,16 @@ def chunk_kkt_fwd_kernel(
   b_A = tl.zeros([BT, BT], dtype=tl.float32)
   for i_k in range(tl.cdiv(K, BK)):
     mask_k = i_k * BK + o_k < K
-    b_k = tl.load(p_k + o_r[:, None] * (H * K) + i_k * BK + o_k[None, :],
+    b_k = tl.load(p_k + (o_r[:, None] * (H * K) + i_k * BK + o_k[None, :]),
                   mask=mask_r[:, None] & mask_k[None, :], other=0.)
     b_A += tl.dot(b_k, tl.trans(b_k), input_precision=DOT_PRECISION)
 
-  b_beta = tl.load(beta + row0 * HV + o_r * HV + i_hv, mask=mask_r, other=0.).to(tl.float32)
+  b_beta = tl.load(beta + row0 * HV + (o_r * HV + i_hv), mask=mask_r, other=0.).to(tl.float32)
   m_A = (o_r[:, None] > o_r[None, :]) & mask_r[:, None]
   if USE_G:
-    b_g = tl.load(g_cum + row0 * HV + o_r * HV + i_hv, mask=mask_r, other=0.)
+    b_g = tl.load(g_cum + row0 * HV + (o_r * HV + i_hv), mask=mask_r, other=0.)
     # A select, not a product: above the diagonal Gx_a - Gx_b > 0 may overflow exp2 to inf.
     b_A = b_A * tl.where(m_A, tl.exp2(b_g[:, None] - b_g[None, :]), 0.)
   b_A = tl.where(m_A, b_A * b_beta[:, None], 0.)
   p_A = A + row0 * (HV * BT) + i_hv * BT
-  tl.store(p_A + o_r[:, None] * (HV * BT) + o_r[None, :], b_A, mask=mask_r[:, None])
+  tl.store(p_A + (o_r[:, None] * (HV * BT) + o_r[None, :]), b_A, mask=mask_r[:, None])
