@@ -24,10 +24,15 @@ from __future__ import annotations
 import importlib
 import os
 import sys
+import threading
 from typing import Sequence
 
 import jax
 import numpy as np
+
+# Triton's interpreter patches triton.language globals while a kernel runs, so two launches on
+# different threads (one pure_callback per device under shard_map) corrupt each other.
+_INTERPRET_LOCK = threading.Lock()
 
 def _kernels_module(interpret: bool):
   """Imports gdp_kernels, making sure Triton runs in the mode asked for.
@@ -270,7 +275,8 @@ def _interpret(kernel, args, grid, out_shape, aliases, constexprs):
     # The interpreter types Python floats as fp32 itself and cannot convert numpy scalars.
     ptr = lambda x: (_HostPointer(x) if isinstance(x, np.ndarray)
                      else float(x) if isinstance(x, np.floating) else x)
-    fn[grid](*[ptr(a) for a in full], *[_HostPointer(o) for o in outs], **constexprs)
+    with _INTERPRET_LOCK:
+      fn[grid](*[ptr(a) for a in full], *[_HostPointer(o) for o in outs], **constexprs)
     return tuple(outs)
 
   return tuple(jax.pure_callback(host, tuple(out_shape), *[args[i] for i in positions],

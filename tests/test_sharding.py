@@ -41,14 +41,6 @@ REJECTIONS = (
 CHILD_TIMEOUT_S = 300
 
 
-def _interpret_thread_safe():
-  from gdp_jax import _launch
-  return hasattr(_launch, "_INTERPRET_LOCK")
-
-
-INTERPRET_THREAD_SAFE = _interpret_thread_safe()
-
-
 # --------------------------------------------------------------------------------------------
 # Child process: runs with 4 host devices, prints one JSON line per case.
 # --------------------------------------------------------------------------------------------
@@ -328,7 +320,7 @@ def _start_child(backend):
 @functools.lru_cache(maxsize=None)
 def _children():
   """Both children at once (they are mostly XLA compiles, one core each): {backend: results}."""
-  backends = ["reference"] + (["interpret"] if INTERPRET_THREAD_SAFE else [])
+  backends = ["reference", "interpret"]
   procs = {b: _start_child(b) for b in backends}
   out = {}
   for b, proc in procs.items():
@@ -360,9 +352,7 @@ def test_sharded_reference(case):
 
 # Under shard_map each CPU device runs its pure_callback on its own thread, and Triton's
 # interpreter patches triton.language globals while a kernel runs, so concurrent launches corrupt
-# each other ("Did you forget to add @triton.jit ?"). _launch must serialise them with a lock.
-@pytest.mark.xfail(not INTERPRET_THREAD_SAFE, run=False, reason=(
-    "gdp_jax._launch has no _INTERPRET_LOCK: concurrent interpreter launches (one per device) race"))
+# each other ("Did you forget to add @triton.jit ?"); _launch serialises them with a lock.
 @pytest.mark.parametrize("case", CASES)
 def test_sharded_interpret(case):
   _check("interpret", case)
