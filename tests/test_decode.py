@@ -241,6 +241,7 @@ def test_accept_skips_invalid_counts_and_slots():
   slots = jnp.asarray([0, -1, 2, 9], jnp.int32)
   num = jnp.asarray([0, 1, 4, 2], jnp.int32)  # 0 and 4 are outside 1..D
   assert bits_equal(gdp_jax.accept_draft_tokens(state, inter, slots, num), state)
+  assert bits_equal(reference.accept_draft_tokens(state, inter, slots, num), state)
 
 
 def test_decode_matches_prefill_continuation():

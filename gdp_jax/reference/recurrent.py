@@ -373,7 +373,7 @@ def accept_draft_tokens(state, intermediate_states, state_indices, num_accepted)
   """Rolls each request's slot back to the state after its last accepted draft token.
 
   state[s] = intermediate_states[s, n_i - 1] for every request i with slot s = state_indices[i]
-  in [0, S); other slots are untouched. Twin of `gdp_jax.accept_draft_tokens`.
+  in [0, S) and n_i in [1, D]; other slots are untouched. Twin of `gdp_jax.accept_draft_tokens`.
 
   Args:
     state: cache [S, HV, K, V].
@@ -388,8 +388,8 @@ def accept_draft_tokens(state, intermediate_states, state_indices, num_accepted)
   n = num_accepted.shape[0]
   slots = (jnp.arange(n, dtype=jnp.int32) if state_indices is None
            else state_indices.astype(jnp.int32))
-  live = (slots >= 0) & (slots < S)
+  acc = num_accepted.astype(jnp.int32)
+  live = (slots >= 0) & (slots < S) & (acc >= 1) & (acc <= D)
   # Gather with clipped indices and discard; scatter padding to row S, which "drop" discards.
-  src = intermediate_states[jnp.clip(slots, 0, S - 1),
-                            jnp.clip(num_accepted.astype(jnp.int32) - 1, 0, D - 1)]
+  src = intermediate_states[jnp.clip(slots, 0, S - 1), jnp.clip(acc - 1, 0, D - 1)]
   return state.at[jnp.where(live, slots, S)].set(src.astype(state.dtype), mode="drop")
