@@ -319,3 +319,55 @@ def test_donated_step_keeps_buffer_and_is_deterministic(dtype):
   assert new1.unsafe_buffer_pointer() == ptr, "the donated cache was copied"
   o2, new2 = step(a, c1)
   assert bits_equal(o1, o2) and bits_equal(new1, new2), "two identical steps differ"
+
+
+def check_prefill_then_decode(lengths, steps, M, H, HV, K, V, dtype, backend):
+  """Prefill packed prompts into cache slots, decode `steps` tokens each: the outputs of both
+  phases equal the reference prefill of every whole sequence (prompt + decoded tokens)."""
+  rng = np.random.default_rng(7)
+  N, dt = len(lengths), jnp.dtype(dtype)
+  total = [L + steps for L in lengths]
+  seqs = []
+  for L in total:
+    k = rng.standard_normal((1, L * M, H, K))
+    k /= np.linalg.norm(k, axis=-1, keepdims=True)
+    seqs.append(dict(q=jnp.asarray(rng.standard_normal((1, L, H, K)), dt), k=jnp.asarray(k, dt),
+                     v=jnp.asarray(rng.standard_normal((1, L * M, HV, V)), dt),
+                     g=jnp.asarray(-rng.exponential(0.3, (1, L, HV)), jnp.float32),
+                     beta=jnp.asarray(rng.uniform(0, 1, (1, L * M, HV)), dt)))
+  rows = lambda name, x, a, b: x[:, a * (1 if name in ("q", "g") else M):b * (1 if name in ("q", "g") else M)]
+  prompt = {n: jnp.concatenate([rows(n, s[n], 0, L) for s, L in zip(seqs, lengths)], 1) for n in seqs[0]}
+  cu = jnp.asarray(np.concatenate([[0], np.cumsum(lengths)]), jnp.int32)
+  slots = jnp.asarray(rng.permutation(N + 2)[:N], jnp.int32)
+  cache = jnp.zeros((N + 2, HV, K, V), jnp.float32)
+  o_pre, cache = jax.jit(lambda x, c: gdp_jax.chunk_gated_delta_product(
+      **x, num_householder=M, cu_seqlens=cu, state=c, state_indices=slots, backend=backend))(prompt, cache)
+  step = jax.jit(lambda x, c: gdp_jax.gated_delta_product_decode(
+      **x, num_householder=M, state=c, state_indices=slots, backend=backend), donate_argnums=1)
+  o_dec = []
+  for s in range(steps):
+    x = {n: jnp.concatenate([rows(n, q[n], L + s, L + s + 1) for q, L in zip(seqs, lengths)], 0)
+         for n in seqs[0]}
+    o, cache = step(x, cache)
+    o_dec.append(o)
+  tol = RTOL[dtype]
+  for i, (s, L) in enumerate(zip(seqs, lengths)):
+    o_ref, final_ref = reference.chunk_gated_delta_product(**_upcast(s), num_householder=M,
+                                                           output_final_state=True)
+    assert_close(f"prefill o of sequence {i}", o_ref[:, :L], o_pre[:, cu[i]:cu[i + 1]], tol)
+    assert_close(f"decoded o of sequence {i}", o_ref[:, L:],
+                 jnp.stack([o[i] for o in o_dec], 1).reshape(1, steps, HV, V), tol)
+    assert_close(f"final state of sequence {i}", final_ref[0], cache[slots[i]],
+                 1e-5 if dtype == "float32" else 1e-2)
+
+
+def test_prefill_then_decode():
+  check_prefill_then_decode((9, 4), steps=3, M=2, H=1, HV=2, K=16, V=16, dtype="float32",
+                            backend=KERNEL_BACKEND)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_prefill_then_decode_gpu(dtype):
+  check_prefill_then_decode((1000, 77, 64), steps=16, M=2, H=4, HV=8, K=128, V=128, dtype=dtype,
+                            backend="triton")
