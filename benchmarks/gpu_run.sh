@@ -10,7 +10,8 @@
 # output), decode.json, prefill.json, summary.txt.
 # Wall-clock caps per step (seconds; the sum must stay under the lease's 10-minute call):
 #   GDP_TEST_BUDGET (180), GDP_DECODE_BUDGET (180), GDP_PREFILL_BUDGET (150).
-# GDP_STEPS picks steps (default "tests,decode,prefill"); GDP_BENCH_ARGS is appended to both
+# GDP_STEPS picks steps (default "tests,decode,prefill"; "stages" adds the per-stage prefill
+# breakdown); GDP_BENCH_ARGS is appended to both
 # benchmark command lines (e.g. "--skip-fla", or "--cpu-smoke" to rehearse this script on a CPU
 # machine), GDP_DECODE_ARGS / GDP_PREFILL_ARGS to one (e.g. GDP_STEPS=decode
 # GDP_DECODE_ARGS="--parts copy,sweep" for a second call that only sweeps decode configs);
@@ -106,6 +107,17 @@ if [[ $STEPS == *,prefill,* ]]; then
     $BENCH_ARGS ${GDP_PREFILL_ARGS:-} 2>&1 | tee -a "$LOG"
   rc=${PIPESTATUS[0]}
   stamp "prefill.py exit $rc$([ $rc -eq 124 ] && echo ' (TIMED OUT)')"
+fi
+
+# Optional (GDP_STEPS=...,stages): prefill time per stage, and with GDP_STAGES_ARGS=--sweep the
+# block sizes and warps of each big stage; cap GDP_STAGES_BUDGET (240).
+if [[ $STEPS == *,stages,* ]]; then
+  T_STAGES=${GDP_STAGES_BUDGET:-240}
+  stamp "benchmarks/prefill_stages.py (cap ${T_STAGES}s)"
+  timeout -s INT -k 10 "$T_STAGES" python3 benchmarks/prefill_stages.py --budget-s $((T_STAGES - 30)) \
+    $BENCH_ARGS ${GDP_STAGES_ARGS:-} 2>&1 | tee -a "$LOG"
+  rc=${PIPESTATUS[0]}
+  stamp "prefill_stages.py exit $rc$([ $rc -eq 124 ] && echo ' (TIMED OUT)')"
 fi
 
 # 5. Summary, last.

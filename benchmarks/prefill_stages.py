@@ -1,0 +1,162 @@
+"""Where prefill time goes: each stage of the chunked pipeline timed on its own, and a sweep of
+the pinned block sizes and warps of the stages that dominate.
+
+Without hardware counters, a stage's share is measured by running it alone on the inputs the
+previous stages produced (METHOD.md: time variants, take differences). Each config variant is
+checked against the default config's output before its time counts: block sizes change the
+summation order, so the check is a relative error (bf16 level), not bits.
+
+    python3 benchmarks/prefill_stages.py [--rows 0,1] [--sweep] [--budget-s 240]
+    python3 benchmarks/prefill_stages.py --cpu-smoke      # the plumbing, in the interpreter
+
+Writes $OUT/prefill_stages.json and prints a table per row (ms per stage, share of the total).
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import common  # noqa: E402
+
+# The rows of benchmarks/prefill.py: (B, T, H, HV, K, V, M).
+ROWS = [(4, 2048, 16, 16, 128, 128, 2), (4, 2048, 16, 16, 128, 128, 3),
+        (1, 8192, 16, 16, 128, 128, 2), (8, 4096, 32, 32, 128, 128, 2),
+        (4, 2048, 6, 6, 256, 512, 2)]
+SMOKE_ROWS = [(1, 130, 1, 2, 32, 32, 2)]
+
+# Variants per stage: the fields of _PrefillConfig each one overrides.
+SWEEP = {
+    "kkt": [dict(kkt_warps=w) for w in (2, 4, 8)],
+    "wy": [dict(wy_warps=w, wy_bv=bv) for w in (4, 8) for bv in (32, 64, 128)],
+    "scan": [dict(h_warps=w, h_stages=s, h_bv_wide=bv, h_bv_narrow=bv)
+             for w in (2, 4, 8) for s in (1, 2, 3) for bv in (32, 64)],
+    "output": [dict(o_warps=w, o_bv=bv, o_stages=s) for w in (4, 8) for bv in (64, 128)
+               for s in (1, 2, 3)],
+}
+
+
+def make_inputs(B, T, H, HV, K, V, M, seed=0):
+  import jax.numpy as jnp
+  import numpy as np
+  rng = np.random.default_rng(seed)
+  k = rng.standard_normal((B * T * M, H, K)).astype(np.float32)
+  k /= np.linalg.norm(k, axis=-1, keepdims=True)
+  bf = jnp.bfloat16
+  return dict(
+      q=jnp.asarray(rng.standard_normal((B * T, H, K)) / np.sqrt(K), bf),
+      k=jnp.asarray(k, bf),
+      v=jnp.asarray(rng.standard_normal((B * T * M, HV, V)), bf),
+      g=jnp.asarray(-rng.exponential(0.05, (B * T, HV)), jnp.float32),
+      beta=jnp.asarray(rng.uniform(0, 1, (B * T * M, HV)), jnp.float32))
+
+
+def stage_calls(pk, x, B, T, M, backend):
+  """The stages as jitted closures over the previous stages' outputs (computed once here)."""
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+  HV, V = x["v"].shape[1], x["v"].shape[2]
+  K = x["k"].shape[2]
+  cu = jnp.asarray(np.arange(B + 1, dtype=np.int32) * T)
+  nc = -(-T // pk.BT)
+  desc_t = jnp.asarray(pk._dense_descriptors(B, T))
+  desc_x = jnp.asarray(pk._dense_descriptors(B, T * M))
+  offsets = jnp.asarray(np.arange(B + 1, dtype=np.int32) * nc)
+  calls = {
+      "cumsum": jax.jit(lambda g: (pk._cumsum(g, cu, desc_t, M=1, backend=backend),
+                                   pk._cumsum(g, cu, desc_x, M=M, backend=backend))),
+      "kkt": jax.jit(lambda k, b, gx: pk._kkt(k, b, gx, cu, desc_x, HV=HV, M=M, backend=backend)),
+      "solve": jax.jit(lambda A: pk._solve(A, cu, desc_x, M=M, dtype=x["k"].dtype,
+                                           backend=backend)),
+      "wy": jax.jit(lambda k, v, b, gx, Ai: pk._wy(k, v, b, gx, Ai, cu, desc_x, M=M,
+                                                   backend=backend)),
+      "scan": jax.jit(lambda k, w, u, gx: pk._scan(
+          k, w, u, gx, cu, offsets, B * nc, M=M, h0=None, state_indices=None,
+          final_kind="dense", h_dtype=x["k"].dtype, snap_dtype=None, backend=backend)),
+      "output": jax.jit(lambda q, k, vn, h, gu: pk._output(
+          q, k, vn, h, gu, None, B, cu, desc_t, M=M, scale=K ** -0.5, out_dtype=x["v"].dtype,
+          backend=backend)),
+  }
+  gu, gx = calls["cumsum"](x["g"])
+  A = calls["kkt"](x["k"], x["beta"], gx)
+  Ai = calls["solve"](A)
+  w, u = calls["wy"](x["k"], x["v"], x["beta"], gx, Ai)
+  h, _, v_new, _ = calls["scan"](x["k"], w, u, gx)
+  args = {"cumsum": (x["g"],), "kkt": (x["k"], x["beta"], gx), "solve": (A,),
+          "wy": (x["k"], x["v"], x["beta"], gx, Ai), "scan": (x["k"], w, u, gx),
+          "output": (x["q"], x["k"], v_new, h, gu)}
+  return calls, args
+
+
+def main() -> int:
+  p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  p.add_argument("--cpu-smoke", action="store_true")
+  p.add_argument("--rows", default=None, help="comma-separated row numbers (default: all)")
+  p.add_argument("--sweep", action="store_true", help="also sweep the configs of big stages")
+  p.add_argument("--budget-s", type=float, default=240.0)
+  p.add_argument("--out", default=None)
+  a = p.parse_args()
+  common.setup_env(a.cpu_smoke)
+  import jax
+  from gdp_jax import _prefill_kernels as pk
+  common.fix_triton_cache()
+  backend = "interpret" if a.cpu_smoke else "triton"
+  rows = SMOKE_ROWS if a.cpu_smoke else ROWS
+  if a.rows:
+    rows = [rows[int(i)] for i in a.rows.split(",")]
+  budget = common.Budget(a.budget_s)
+  res = common.Results(os.path.join(common.out_dir(a.out), "prefill_stages.json"),
+                       dict(common.versions(), backend=backend))
+  default_cfg = pk.CONFIG
+  for shape in rows:
+    B, T, H, HV, K, V, M = shape
+    row = dict(B=B, T=T, H=H, HV=HV, K=K, V=V, M=M)
+
+    def body(row):
+      x = make_inputs(*shape)
+      calls, args = stage_calls(pk, x, B, T, M, backend)
+      times = {s: common.time_jax(lambda s=s: calls[s](*args[s]))["ms"] for s in calls}
+      row.update({f"{s}_ms": t for s, t in times.items()})
+      total = sum(times.values())
+      row["sum_ms"] = total
+      print(f"[stages] B={B} T={T} H={H} HV={HV} K={K} V={V} M={M}: "
+            + ", ".join(f"{s} {t:.3f} ms ({t / total:.0%})" for s, t in times.items())
+            + f"; sum {total:.3f} ms", flush=True)
+      if not a.sweep:
+        return
+      ref = {s: calls[s](*args[s]) for s in SWEEP}
+      for stage, variants in SWEEP.items():
+        best = (times[stage], "default")
+        for over in variants:
+          if budget.over(20):
+            row[f"{stage}_sweep"] = "cut by the budget"
+            break
+          pk.CONFIG = dataclasses.replace(default_cfg, **over)
+          try:
+            c2, _ = stage_calls(pk, x, B, T, M, backend)
+            out = c2[stage](*args[stage])
+            err = common.worst(*[common.rel_err(o, r) for o, r in
+                                 zip(jax.tree.leaves(out), jax.tree.leaves(ref[stage]))])
+            ms = common.time_jax(lambda: c2[stage](*args[stage]))["ms"]
+            tag = ",".join(f"{k}={v}" for k, v in over.items())
+            print(f"[sweep] {stage} {tag}: {ms:.4f} ms, err vs default {err:.1e}", flush=True)
+            if err < 2e-2 and ms < best[0]:
+              best = (ms, tag)
+          except Exception as e:  # a config that does not compile is a result, not a crash
+            print(f"[sweep] {stage} {over}: failed: {type(e).__name__}: {e}"[:300], flush=True)
+          finally:
+            pk.CONFIG = default_cfg
+        row[f"{stage}_best"] = f"{best[1]} ({best[0]:.4f} ms)"
+
+    common.run_row(res, "stages", row, body, budget, margin=30)
+  common.print_table("prefill stages (ms)", res.data["sections"].get("stages", []),
+                     [(c, c, ".3f") for c in ("cumsum_ms", "kkt_ms", "solve_ms", "wy_ms",
+                                              "scan_ms", "output_ms", "sum_ms")])
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
