@@ -56,6 +56,9 @@ def parse_args():
   p.add_argument("--parts", default="copy,first,main,bf16,sweep",
                  help="comma-separated subset of copy,first,main,bf16,sweep (e.g. 'copy,sweep' "
                       "for a second call that only sweeps)")
+  p.add_argument("--gdp-kernel", choices=("fold", "native"), default=None,
+                 help="kernel behind gated_delta_product_decode (gdp_jax._configs."
+                      "GDP_DECODE_KERNEL); default: the library's")
   return p.parse_args()
 
 
@@ -71,6 +74,9 @@ class Bench:
     from gdp_jax import _configs
     common.fix_triton_cache()
     self.jax, self.jnp, self.np, self.gdp_jax, self.configs = jax, jnp, np, gdp_jax, _configs
+    if args.gdp_kernel:
+      _configs.GDP_DECODE_KERNEL = args.gdp_kernel
+    print(f"[decode] gated_delta_product_decode kernel: {_configs.GDP_DECODE_KERNEL}", flush=True)
     self.backend = "interpret" if self.smoke else "triton"
     self.loop_steps = 2 if self.smoke else LOOP_STEPS  # the interpreter is slow
     self.copy_Bps = None  # set by main() once measured

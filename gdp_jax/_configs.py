@@ -23,6 +23,12 @@ def _next_pow2(x: int) -> int:
 # Benchmarks may force a config to sweep it; None means "pick from shapes".
 DECODE_OVERRIDE: DecodeConfig | None = None
 
+# Which kernel runs `gated_delta_product_decode`: "fold" builds the folded stream (query on the
+# last copy, decay on the first) and runs the fused recurrent kernel with steps_per_token = M,
+# the path measured on the H200; "native" runs kernels/gdp_decode.py on the unfolded inputs
+# (no fold ops, no discarded read-outs; same bits in the interpreter), not yet timed on a GPU.
+GDP_DECODE_KERNEL = "fold"
+
 
 def decode_config(N: int, HV: int, K: int, V: int) -> DecodeConfig:
   """The fused recurrent step: one program per (V-block, sequence, value head).

@@ -162,16 +162,55 @@ def gated_delta_product_decode(q, k, v, g, beta, *, num_householder, state, stat
         use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
   M = num_householder
   N, D, H, K = q.shape
+  scale = dims.K ** -0.5 if scale is None else float(scale)
+  if _configs.GDP_DECODE_KERNEL == "native":
+    return _gdp_decode_fwd(q, k, v, g, beta, M=M, dims=dims, state=state,
+                           state_indices=state_indices, intermediate_states=intermediate_states,
+                           scale=scale, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+                           backend=backend)
   q_fold = jnp.zeros((N, D, M, H, K), q.dtype).at[:, :, M - 1].set(q).reshape(N, D * M, H, K)
   g_fold = None
   if g is not None:
     HV = g.shape[-1]
     g_fold = jnp.zeros((N, D, M, HV), jnp.float32).at[:, :, 0].set(g).reshape(N, D * M, HV)
   out = fused_recurrent_gated_delta_rule(
-      q_fold, k, v, g_fold, beta, scale=dims.K ** -0.5 if scale is None else scale,
+      q_fold, k, v, g_fold, beta, scale=scale,
       use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, state=state, state_indices=state_indices,
       intermediate_states=intermediate_states, steps_per_token=M, backend=backend)
   return (out[0][:, M - 1::M],) + tuple(out[1:])
+
+
+def _gdp_decode_fwd(q, k, v, g, beta, *, M, dims, state, state_indices, intermediate_states,
+                    scale, use_qk_l2norm_in_kernel, backend):
+  N, D, H, HV, K, V = dims.B, dims.T, dims.H, dims.HV, dims.K, dims.V
+  cfg = _configs.decode_config(N, HV, K, V)
+  has_inter = intermediate_states is not None
+  args = (
+      q, k, v,
+      _placeholder() if g is None else g.astype(jnp.float32),
+      _placeholder() if beta is None else beta,
+      state,
+      intermediate_states if has_inter else _placeholder(),
+      state_indices.astype(jnp.int32),
+      scale, state.shape[0],
+  )
+  out_shape = (
+      jax.ShapeDtypeStruct((N, D, HV, V), v.dtype),
+      jax.ShapeDtypeStruct(state.shape, state.dtype),
+      jax.ShapeDtypeStruct(intermediate_states.shape if has_inter else (1,),
+                           intermediate_states.dtype if has_inter else jnp.float32),
+  )
+  aliases = {5: 1}
+  if has_inter:
+    aliases[6] = 2
+  o, new_state, new_inter = _launch.call(
+      "gdp_decode.gdp_decode_fwd_kernel", *args,
+      grid=(-(-V // cfg.BV) * N * HV,), out_shape=out_shape, backend=backend,
+      input_output_aliases=aliases, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+      D=D, M=M, H=H, HV=HV, K=K, V=V, BK=_configs._next_pow2(K), BV=cfg.BV,
+      USE_G=g is not None, USE_BETA=beta is not None,
+      USE_QK_L2NORM=bool(use_qk_l2norm_in_kernel), STORE_INTERMEDIATE=has_inter)
+  return (o, new_state, new_inter) if has_inter else (o, new_state)
 
 
 def accept_draft_tokens(state, intermediate_states, state_indices, num_accepted):

@@ -14,7 +14,7 @@ import pytest
 
 import gdp_jax
 from conftest import KERNEL_BACKEND
-from gdp_jax import reference
+from gdp_jax import _configs, reference
 from helpers import RTOL, assert_close, bits_equal
 
 f64 = jnp.float64
@@ -220,16 +220,40 @@ GDP_CASES = [(3, 1, 2, 1, 2, 16, 8, 5, "float32"), (4, 2, 3, 2, 4, 16, 8, 6, "fl
              (3, 4, 1, 1, 1, 8, 8, 3, "float32"), (2, 3, 2, 1, 2, 16, 16, 4, "bfloat16")]
 
 
+@pytest.fixture(params=["fold", "native"])
+def gdp_kernel(request, monkeypatch):
+  """Runs a test once per kernel behind gated_delta_product_decode (see gdp_jax._configs)."""
+  monkeypatch.setattr(_configs, "GDP_DECODE_KERNEL", request.param)
+  return request.param
+
+
 @pytest.mark.parametrize("case", GDP_CASES, ids=lambda c: "N{}-D{}-M{}-H{}-HV{}-K{}-V{}-S{}-{}".format(*c))
-def test_gdp_decode_and_accept(case):
+def test_gdp_decode_and_accept(case, gdp_kernel):
   check_gdp_decode(*case, backend=KERNEL_BACKEND)
+
+
+@pytest.mark.parametrize("l2norm,use_g,use_beta", [(False, True, True), (True, False, False)])
+def test_native_gdp_decode_equals_fold_bitwise(l2norm, use_g, use_beta, monkeypatch):
+  """The unfolded kernel performs the folded kernel's state arithmetic op for op."""
+  a = gdp_inputs(4, 3, 2, 2, 4, 16, 16, 7, "bfloat16", seed=21)
+  if not use_g:
+    a["g"] = None
+  if not use_beta:
+    a["beta"] = None
+  outs = {}
+  for kernel in ("fold", "native"):
+    monkeypatch.setattr(_configs, "GDP_DECODE_KERNEL", kernel)
+    outs[kernel] = gdp_jax.gated_delta_product_decode(
+        **a, num_householder=2, use_qk_l2norm_in_kernel=l2norm, backend=KERNEL_BACKEND)
+  for name, x, y in zip(("o", "state", "intermediate_states"), outs["fold"], outs["native"]):
+    assert bits_equal(x, y), f"{name} differs between the fold and the native kernel"
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", [(64, 4, 2, 16, 32, 128, 128, 256, "float32"),
                                   (16, 2, 2, 6, 6, 256, 512, 20, "bfloat16")],
                          ids=lambda c: "N{}-D{}-M{}-H{}-HV{}-K{}-V{}-S{}-{}".format(*c))
-def test_gdp_decode_and_accept_gpu(case):
+def test_gdp_decode_and_accept_gpu(case, gdp_kernel):
   check_gdp_decode(*case, backend="triton")
 
 
