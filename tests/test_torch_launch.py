@@ -1,0 +1,125 @@
+"""The kernels are framework-neutral: the same @triton.jit function, launched from torch and from
+JAX on the same inputs with the same config, writes the same bits.
+
+On a GPU both sides compile (torch's launcher, jax_triton); on a CPU both run the kernel through
+Triton's interpreter (torch CPU tensors, and gdp_jax's "interpret" backend), which checks the
+calling convention wherever torch is installed. The torch side is what a torch launcher does: it passes an
+in-place buffer (the cache) twice, as the input and as the output pointer, and a placeholder
+tensor plus a constexpr flag for every optional input, exactly the calling convention that
+jax-triton 0.3.1 imposes on the JAX side.
+"""
+import numpy as np
+import pytest
+
+import gdp_jax
+from conftest import KERNEL_BACKEND
+from gdp_jax import _configs
+from helpers import bits_equal
+
+GPU = KERNEL_BACKEND == "triton"
+DEVICE = "cuda" if GPU else "cpu"
+# Both variants: the compiled one is marked gpu (selected with -m gpu on the H200); the
+# interpreted one needs no GPU, only torch (not in the test extra: skipped where it is missing).
+BACKEND = pytest.mark.parametrize(
+    "backend", [pytest.param("triton", marks=pytest.mark.gpu), "interpret"])
+
+
+def _torch(backend):
+  if (backend == "triton") != GPU:
+    pytest.skip(f"backend {backend!r} does not run on this machine ({KERNEL_BACKEND} does)")
+  return pytest.importorskip("torch", reason="launching from torch needs torch installed")
+
+
+def _inputs(N, T, H, HV, K, V, S, seed):
+  """bf16-representable values as float32 numpy, so both frameworks get identical bf16 inputs."""
+  import ml_dtypes
+  rng = np.random.default_rng(seed)
+  bf = lambda x: x.astype(ml_dtypes.bfloat16).astype(np.float32)
+  slots = rng.permutation(S)[:N].astype(np.int32)
+  slots[0] = -1
+  return dict(q=bf(rng.standard_normal((N, T, H, K))), k=bf(rng.standard_normal((N, T, H, K))),
+              v=bf(rng.standard_normal((N, T, HV, V))),
+              g=-rng.exponential(0.3, (N, T, HV)).astype(np.float32),
+              beta=bf(rng.uniform(0, 1, (N, T, HV))),
+              cache=rng.standard_normal((S, HV, K, V)).astype(np.float32), slots=slots)
+
+
+@BACKEND
+@pytest.mark.parametrize("shape", [(8, 5, 4, 8, 128, 128), (4, 3, 2, 2, 256, 512)],
+                         ids=["N8-T5-H4-HV8-K128-V128", "N4-T3-H2-HV2-K256-V512"])
+def test_fused_recurrent_same_bits_from_torch_and_jax(shape, backend):
+  torch = _torch(backend)
+  if backend == "interpret":
+    shape = (3, 3, 1, 2, 16, 16)  # the interpreter is slow
+  import jax.numpy as jnp
+  from gdp_kernels.fused_recurrent import fused_recurrent_fwd_kernel
+  N, T, H, HV, K, V = shape
+  S = N + 3
+  x = _inputs(N, T, H, HV, K, V, S, seed=1)
+  scale = float(np.float32(K ** -0.5))
+
+  jx = {n: jnp.asarray(a, jnp.bfloat16) for n, a in x.items() if n in ("q", "k", "v", "beta")}
+  o_jax, cache_jax = gdp_jax.fused_recurrent_gated_delta_rule(
+      **jx, g=jnp.asarray(x["g"]), scale=scale, use_qk_l2norm_in_kernel=True,
+      state=jnp.asarray(x["cache"]), state_indices=jnp.asarray(x["slots"]), backend=backend)
+
+  dev = DEVICE
+  tt = lambda a, dt: torch.from_numpy(np.ascontiguousarray(a)).to(dev).to(dt)
+  q, k, v, beta = (tt(x[n], torch.bfloat16) for n in ("q", "k", "v", "beta"))
+  g = tt(x["g"], torch.float32)
+  cache = tt(x["cache"], torch.float32)
+  slots = tt(x["slots"], torch.int32)
+  ph, ph_i = torch.zeros(1, device=dev), torch.zeros(1, device=dev, dtype=torch.int32)
+  o = torch.full((N, T, HV, V), float("nan"), device=dev, dtype=torch.bfloat16)
+  cfg = _configs.decode_config(N, HV, K, V)
+  BK = 1 << (K - 1).bit_length()
+  fused_recurrent_fwd_kernel[(-(-V // cfg.BV) * N * HV,)](
+      q, k, v, g, beta, ph, cache, ph, slots, ph_i, scale, T, S,
+      o, ph, cache, ph,
+      H=H, HV=HV, K=K, V=V, NI=1, BK=BK, BV=cfg.BV, STEPS_PER_TOKEN=1,
+      USE_G=True, USE_BETA=True, IS_BETA_HEADWISE=True, USE_QK_L2NORM=True,
+      USE_INITIAL_STATE=False, STORE_FINAL_STATE=False, HAS_STATE=True, HAS_STATE_INDICES=True,
+      STORE_INTERMEDIATE=False, IS_VARLEN=False, num_warps=cfg.num_warps,
+      num_stages=cfg.num_stages)
+  if GPU:
+    torch.cuda.synchronize()
+  assert bits_equal(np.asarray(o_jax.astype(jnp.float32)), o.float().cpu().numpy())
+  assert bits_equal(np.asarray(cache_jax), cache.cpu().numpy())
+
+
+@BACKEND
+def test_gdp_decode_same_bits_from_torch_and_jax(backend, monkeypatch):
+  torch = _torch(backend)
+  import jax.numpy as jnp
+  from gdp_kernels.gdp_decode import gdp_decode_fwd_kernel
+  monkeypatch.setattr(_configs, "GDP_DECODE_KERNEL", "native")
+  N, D, M, H, HV, K, V, S = (16, 3, 2, 4, 8, 128, 128, 20) if backend == "triton" else (3, 2, 2, 1, 2, 16, 16, 5)
+  x = _inputs(N, D * M, H, HV, K, V, S, seed=2)
+  x["q"] = x["q"][:, :D]
+  x["g"] = x["g"][:, :D]
+  scale = float(np.float32(K ** -0.5))
+  inter0 = np.zeros((S, D, HV, K, V), np.float32)
+
+  jx = {n: jnp.asarray(a, jnp.bfloat16) for n, a in x.items() if n in ("q", "k", "v", "beta")}
+  o_jax, cache_jax, inter_jax = gdp_jax.gated_delta_product_decode(
+      **jx, g=jnp.asarray(x["g"]), num_householder=M, scale=scale, state=jnp.asarray(x["cache"]),
+      state_indices=jnp.asarray(x["slots"]), intermediate_states=jnp.asarray(inter0),
+      backend=backend)
+
+  dev = DEVICE
+  tt = lambda a, dt: torch.from_numpy(np.ascontiguousarray(a)).to(dev).to(dt)
+  q, k, v, beta = (tt(x[n], torch.bfloat16) for n in ("q", "k", "v", "beta"))
+  g, cache, inter = tt(x["g"], torch.float32), tt(x["cache"], torch.float32), tt(inter0, torch.float32)
+  slots = tt(x["slots"], torch.int32)
+  o = torch.full((N, D, HV, V), float("nan"), device=dev, dtype=torch.bfloat16)
+  cfg = _configs.decode_config(N, HV, K, V)
+  gdp_decode_fwd_kernel[(-(-V // cfg.BV) * N * HV,)](
+      q, k, v, g, beta, cache, inter, slots, scale, S, o, cache, inter,
+      D=D, M=M, H=H, HV=HV, K=K, V=V, BK=1 << (K - 1).bit_length(), BV=cfg.BV, USE_G=True, USE_BETA=True,
+      USE_QK_L2NORM=False, STORE_INTERMEDIATE=True, num_warps=cfg.num_warps,
+      num_stages=cfg.num_stages)
+  if GPU:
+    torch.cuda.synchronize()
+  assert bits_equal(np.asarray(o_jax.astype(jnp.float32)), o.float().cpu().numpy())
+  assert bits_equal(np.asarray(cache_jax), cache.cpu().numpy())
+  assert bits_equal(np.asarray(inter_jax), inter.cpu().numpy())
