@@ -469,3 +469,34 @@ def test_deterministic_gpu(dtype):
   second = gdp_jax.chunk_gated_delta_product(**a, **kw, backend="triton")
   for x, y in zip(first, second):
     assert bits_equal(x, y)
+
+
+@pytest.mark.gpu
+def test_donated_cache_keeps_buffer_gpu():
+  """Under jit with the cache donated, the prefill updates it in its own device buffer, and one
+  compilation serves different cu_seqlens values with no device-to-host transfer."""
+  c = Case(B=1, T=600, H=4, HV=8, K=128, V=128, M=2, dtype="bfloat16", l2norm=True,
+           varlen=(300, 0, 250), cache="slots")
+  a, kw = make_inputs(c, seed=10)
+  cache = kw.pop("state")
+  cache = jnp.where(jnp.isnan(cache), 0, cache)
+  traces = []
+
+  def prefill(a, cu, slots, cache):
+    traces.append(1)
+    return gdp_jax.chunk_gated_delta_product(**a, num_householder=c.M, cu_seqlens=cu,
+                                             state=cache, state_indices=slots,
+                                             use_qk_l2norm_in_kernel=True, backend="triton")
+
+  step = jax.jit(prefill, donate_argnums=3)
+  slots = kw["state_indices"]
+  expect = gdp_jax.chunk_gated_delta_product(**a, num_householder=c.M, cu_seqlens=kw["cu_seqlens"],
+                                             state=cache.copy(), state_indices=slots,
+                                             use_qk_l2norm_in_kernel=True, backend="triton")
+  ptr = cache.unsafe_buffer_pointer()
+  with jax.transfer_guard_device_to_host("disallow"):
+    o, new_cache = step(a, kw["cu_seqlens"], slots, cache)
+    assert new_cache.unsafe_buffer_pointer() == ptr, "the donated cache was copied"
+    o2, _ = step(a, jnp.asarray([0, 100, 100, 550], jnp.int32), slots, new_cache.copy())
+  assert len(traces) == 1, "a new cu_seqlens value retraced the prefill"
+  assert bits_equal(o, expect[0]) and bits_equal(new_cache, expect[1])
