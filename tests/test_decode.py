@@ -11,6 +11,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import gdp_jax
 from conftest import KERNEL_BACKEND
@@ -395,3 +397,18 @@ def test_prefill_then_decode():
 def test_prefill_then_decode_gpu(dtype):
   check_prefill_then_decode((1000, 77, 64), steps=16, M=2, H=4, HV=8, K=128, V=128, dtype=dtype,
                             backend="triton")
+
+
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(N=st.integers(1, 4), D=st.integers(1, 4), M=st.integers(1, 3), H=st.sampled_from([1, 2]),
+       G=st.sampled_from([1, 2, 3]), K=st.integers(4, 40), V=st.integers(2, 24),
+       spare=st.integers(0, 24), dtype=st.sampled_from(["float32", "bfloat16"]),
+       kernel=st.sampled_from(["fold", "native"]))
+def test_gdp_decode_random_shapes(N, D, M, H, G, K, V, spare, dtype, kernel):
+  """Random shapes, caches far larger than the batch (S up to N + 24), permuted slots with -1."""
+  prev = _configs.GDP_DECODE_KERNEL
+  _configs.GDP_DECODE_KERNEL = kernel
+  try:
+    check_gdp_decode(N, D, M, H, H * G, K, V, N + spare, dtype, backend=KERNEL_BACKEND)
+  finally:
+    _configs.GDP_DECODE_KERNEL = prev
