@@ -172,7 +172,8 @@ def gated_delta_product_decode(q, k, v, g, beta, *, num_householder, state, stat
   g_fold = None
   if g is not None:
     HV = g.shape[-1]
-    g_fold = jnp.zeros((N, D, M, HV), jnp.float32).at[:, :, 0].set(g).reshape(N, D * M, HV)
+    g_fold = jnp.zeros((N, D, M, HV), jnp.float32).at[:, :, 0].set(g.astype(jnp.float32))
+    g_fold = g_fold.reshape(N, D * M, HV)
   out = fused_recurrent_gated_delta_rule(
       q_fold, k, v, g_fold, beta, scale=scale,
       use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, state=state, state_indices=state_indices,
