@@ -1,6 +1,8 @@
 """Prefill entry point: chunked Gated Delta Product over whole sequences."""
 from __future__ import annotations
 
+import jax.numpy as jnp
+
 from gdp_jax import _backends, _checks
 
 
@@ -48,6 +50,7 @@ def chunk_gated_delta_product(
 
   Raises:
     ValueError: at trace time, for shapes or dtypes that do not fit the above.
+    NotImplementedError: float64 (or another non-16/32-bit float) keys on a kernel backend.
   """
   dims = _checks.check_prefill(
       q, k, v, g, beta, num_householder=num_householder, scale=scale,
@@ -63,5 +66,11 @@ def chunk_gated_delta_product(
   if backend == "reference":
     from gdp_jax import reference
     return reference.chunk_gated_delta_product(q, k, v, g, beta, **kwargs)
+  if k.dtype not in (jnp.bfloat16, jnp.float16, jnp.float32):
+    # The chunked kernels multiply in the dtype of k (tensor cores for 16-bit, ieee float32
+    # dots for float32); other dtypes have no tested path there.
+    raise NotImplementedError(
+        f"backend={backend!r}: the chunked kernels take bfloat16, float16 or float32 keys, got "
+        f"{k.dtype}; cast the inputs, or use backend='reference' for float64")
   from gdp_jax._prefill_kernels import _chunk_gated_delta_product_fwd
   return _chunk_gated_delta_product_fwd(q, k, v, g, beta, backend=backend, **kwargs)

@@ -174,3 +174,20 @@ def test_accept_rejects(name, over):
 def test_unknown_backend():
   with pytest.raises(ValueError, match="backend"):
     jax.eval_shape(lambda a: gdp_jax.fused_recurrent_gated_delta_rule(**a, backend="cuda"), recurrent_args())
+
+
+def test_prefill_kernels_refuse_float64():
+  args = prefill_args(**{n: _sd(*s.shape, dtype=jnp.float64) for n, s in prefill_args().items()})
+  with pytest.raises(NotImplementedError, match="float64"):
+    jax.eval_shape(lambda a: gdp_jax.chunk_gated_delta_product(**a, num_householder=M,
+                                                               backend="interpret"), args)
+
+
+def test_valid_arguments_pass():
+  # The baseline of every rejection above is accepted, so each test isolates its one defect.
+  _run_prefill()
+  _run_recurrent()
+  _run_decode()
+  a = dict(state=_sd(5, HV, K, V), intermediate_states=_sd(5, 2, HV, K, V),
+           state_indices=_sd(3, dtype=jnp.int32), num_accepted=_sd(3, dtype=jnp.int32))
+  jax.eval_shape(lambda a: gdp_jax.accept_draft_tokens(**a), a)
