@@ -58,7 +58,7 @@ def stage_calls(pk, x, B, T, M, backend):
   import jax
   import jax.numpy as jnp
   import numpy as np
-  HV, V = x["v"].shape[1], x["v"].shape[2]
+  HV = x["v"].shape[1]
   K = x["k"].shape[2]
   cu = jnp.asarray(np.arange(B + 1, dtype=np.int32) * T)
   nc = -(-T // pk.BT)

@@ -94,7 +94,6 @@ def main():
   import jax
   import jax.numpy as jnp
   import numpy as np
-  from jax.sharding import NamedSharding, PartitionSpec as P
 
   sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
   import gdp_jax

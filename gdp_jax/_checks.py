@@ -209,3 +209,26 @@ def check_accept(state, intermediate_states, state_indices, num_accepted):
   N = state_indices.shape[0]
   _expect("num_accepted", num_accepted, ("N",), (N,))
   _integer("num_accepted", num_accepted)
+
+
+def check_decode_prepare(q, k, v, a, b, A_log, dt_bias, *, num_householder, allow_neg_eigval):
+  """Checks the arguments of `gated_delta_product_decode_prepare`; returns the sizes."""
+  _positive_int("num_householder", num_householder)
+  M = num_householder
+  _ndim("q", q, ("N", "D", "H", "K"))
+  _ndim("v", v, ("N", "D*M", "HV", "V"))
+  N, D, H, K, HV, V = _heads("q", q, "v", v)
+  _expect("k", k, ("N", "D*M", "H", "K"), (N, D * M, H, K), f"M={M} rows per draft token")
+  _floating("k", k)
+  _expect("v", v, ("N", "D*M", "HV", "V"), (N, D * M, HV, V), f"M={M} rows per draft token")
+  _expect("a", a, ("N", "D", "HV"), (N, D, HV), "one decay pre-activation per draft token")
+  _floating("a", a)
+  _expect("b", b, ("N", "D*M", "HV"), (N, D * M, HV), f"M={M} rows per draft token")
+  _floating("b", b)
+  _expect("A_log", A_log, ("HV",), (HV,))
+  _floating("A_log", A_log)
+  _expect("dt_bias", dt_bias, ("HV",), (HV,))
+  _floating("dt_bias", dt_bias)
+  if not isinstance(allow_neg_eigval, (bool, np.bool_)):
+    raise ValueError(f"allow_neg_eigval: expected a Python bool, got {type(allow_neg_eigval).__name__}")
+  return N, D, M, H, K, HV

@@ -434,7 +434,7 @@ class GatedDeltaProduct(nnx.Module):
     """Splits [..., C] into q [*lead, H, K], k [*lead, M, H, K], v [*lead, M, HV, V]."""
     H, HV, K, V, M = (self.num_heads, self.num_v_heads, self.head_k_dim, self.head_v_dim,
                       self.num_householder)
-    kd, vd = self.key_dim, self.value_dim
+    kd = self.key_dim
     q = ya[..., :kd].reshape(*lead, H, K)
     # FLA: rearrange '... t (n h d) -> ... (t n) h d': the copy index is the outer factor.
     k = ya[..., kd:kd * (1 + M)].reshape(*lead, M, H, K)

@@ -20,32 +20,8 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from gdp_jax import _backends, _checks, _configs, _launch
-
-
-def _check_prepare(q, k, v, a, b, A_log, dt_bias, *, num_householder, allow_neg_eigval):
-  """Raises ValueError naming the argument and the shape it expected; returns the sizes."""
-  _checks._positive_int("num_householder", num_householder)
-  M = num_householder
-  _checks._ndim("q", q, ("N", "D", "H", "K"))
-  _checks._ndim("v", v, ("N", "D*M", "HV", "V"))
-  N, D, H, K, HV, V = _checks._heads("q", q, "v", v)
-  _checks._expect("k", k, ("N", "D*M", "H", "K"), (N, D * M, H, K), f"M={M} rows per draft token")
-  _checks._floating("k", k)
-  _checks._expect("v", v, ("N", "D*M", "HV", "V"), (N, D * M, HV, V), f"M={M} rows per draft token")
-  _checks._expect("a", a, ("N", "D", "HV"), (N, D, HV), "one decay pre-activation per draft token")
-  _checks._floating("a", a)
-  _checks._expect("b", b, ("N", "D*M", "HV"), (N, D * M, HV), f"M={M} rows per draft token")
-  _checks._floating("b", b)
-  _checks._expect("A_log", A_log, ("HV",), (HV,))
-  _checks._floating("A_log", A_log)
-  _checks._expect("dt_bias", dt_bias, ("HV",), (HV,))
-  _checks._floating("dt_bias", dt_bias)
-  if not isinstance(allow_neg_eigval, (bool, np.bool_)):
-    raise ValueError(f"allow_neg_eigval: expected a Python bool, got {type(allow_neg_eigval).__name__}")
-  return N, D, M, H, K, HV
 
 
 def gated_delta_product_decode_prepare(q, k, v, a, b, A_log, dt_bias, *, num_householder,
@@ -84,7 +60,7 @@ def gated_delta_product_decode_prepare(q, k, v, a, b, A_log, dt_bias, *, num_hou
   Raises:
     ValueError: at trace time, for shapes or dtypes that do not fit the above.
   """
-  N, D, M, H, K, HV = _check_prepare(q, k, v, a, b, A_log, dt_bias,
+  N, D, M, H, K, HV = _checks.check_decode_prepare(q, k, v, a, b, A_log, dt_bias,
                                      num_householder=num_householder,
                                      allow_neg_eigval=allow_neg_eigval)
   backend = _backends.resolve(backend)

@@ -42,7 +42,6 @@ import math
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 __all__ = ["sharded"]

@@ -35,11 +35,6 @@ def decode_args(**over):
   return a
 
 
-  def f(a, o):
-    return gdp_jax.chunk_gated_delta_product(**a, **o, backend="reference")
-  jax.eval_shape(f, args, kw) if kw else jax.eval_shape(lambda a: f(a, {}), args)
-
-
 def _split(over):
   arrays = {k: v for k, v in over.items() if v is None or isinstance(v, jax.ShapeDtypeStruct)}
   static = {k: v for k, v in over.items() if k not in arrays}

@@ -10,7 +10,6 @@ import pytest
 import triton
 import triton.language as tl
 
-from conftest import KERNEL_BACKEND
 from gdp_jax import _launch
 from helpers import bits_equal
 

@@ -18,7 +18,6 @@ import pytest
 
 import gdp_jax
 from conftest import KERNEL_BACKEND
-from gdp_jax import reference
 from gdp_jax.prepare import gated_delta_product_decode_prepare
 from gdp_jax.reference import prepare as ref_prepare
 from helpers import RTOL, assert_close, bits_equal
