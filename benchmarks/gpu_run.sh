@@ -9,7 +9,8 @@
 # Files under $OUT (default ./bench_out): gpu_tests.log, bench.log (environment and benchmark
 # output), decode.json, prefill.json, summary.txt.
 # Wall-clock caps per step (seconds; the sum must stay under the lease's 10-minute call):
-#   GDP_TEST_BUDGET (180), GDP_DECODE_BUDGET (180), GDP_PREFILL_BUDGET (150).
+#   GDP_TEST_BUDGET (180), GDP_DECODE_BUDGET (180), GDP_PREFILL_BUDGET (150); GDP_TEST_WORKERS (6)
+#   test processes when pytest-xdist is there.
 # GDP_STEPS picks steps (default "tests,decode,prefill"; "stages" adds the per-stage prefill
 # breakdown); GDP_BENCH_ARGS is appended to both
 # benchmark command lines (e.g. "--skip-fla", or "--cpu-smoke" to rehearse this script on a CPU
@@ -82,6 +83,11 @@ if [[ $STEPS == *,tests,* ]]; then
   stamp "pytest -m gpu (cap ${T_TESTS}s)"
   PER_TEST=()
   python3 -c "import pytest_timeout" 2>/dev/null && PER_TEST=(--timeout 300)
+  # Most of the step is Triton compiling each kernel variant on the CPU: spread the tests over
+  # GDP_TEST_WORKERS processes (pytest-xdist), which share the GPU, so none may preallocate it.
+  WORKERS=${GDP_TEST_WORKERS:-6}
+  python3 -c "import xdist" 2>/dev/null && [ "$WORKERS" -gt 1 ] && PER_TEST+=(-n "$WORKERS")
+  XLA_PYTHON_CLIENT_PREALLOCATE=false \
   timeout -s INT -k 10 "$T_TESTS" python3 -m pytest -m gpu -q -ra ${PER_TEST[@]+"${PER_TEST[@]}"} tests/ \
     >"$OUT/gpu_tests.log" 2>&1
   rc=$?
