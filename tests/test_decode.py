@@ -412,3 +412,29 @@ def test_gdp_decode_random_shapes(N, D, M, H, G, K, V, spare, dtype, kernel):
     check_gdp_decode(N, D, M, H, H * G, K, V, N + spare, dtype, backend=KERNEL_BACKEND)
   finally:
     _configs.GDP_DECODE_KERNEL = prev
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kernel", ["fold", "native"])
+def test_cache_past_int32_offsets_gpu(kernel, monkeypatch):
+  """A cache of more than 2**31 elements (S=1100, HV=32, K=128, V=512, bf16: 4.6 GB): a slot
+  near the end is read and written where it lives, which needs int64 slot offsets."""
+  monkeypatch.setattr(_configs, "GDP_DECODE_KERNEL", kernel)
+  N, D, M, H, HV, K, V, S = 2, 1, 2, 8, 32, 128, 512, 1100
+  assert S * HV * K * V > 2 ** 31
+  a = gdp_inputs(N, D, M, H, HV, K, V, 4, "bfloat16", seed=31)
+  for n in ("state", "state_indices", "intermediate_states"):
+    a.pop(n)
+  slots = jnp.asarray([S - 1, 3], jnp.int32)
+  cache = jax.random.normal(jax.random.key(0), (S, HV, K, V), jnp.bfloat16)
+  before = cache[slots].astype(jnp.float32)
+  neighbour = cache[S - 2].astype(jnp.float32)
+  step = jax.jit(lambda a, c: gdp_jax.gated_delta_product_decode(
+      **a, num_householder=M, state=c, state_indices=slots, backend="triton"), donate_argnums=1)
+  o, cache = step(a, cache)
+  o_ref, small_ref = reference.gated_delta_product_decode(
+      **_upcast(a), num_householder=M, state=before.astype(f64),
+      state_indices=jnp.arange(N, dtype=jnp.int32))
+  assert_close("o", o_ref, o, 1e-2)
+  assert_close("state at the far slot", small_ref, cache[slots], 1e-2)
+  assert bits_equal(cache[S - 2].astype(jnp.float32), neighbour)

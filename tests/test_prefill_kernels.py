@@ -500,3 +500,26 @@ def test_donated_cache_keeps_buffer_gpu():
     o2, _ = step(a, jnp.asarray([0, 100, 100, 550], jnp.int32), slots, new_cache.copy())
   assert len(traces) == 1, "a new cu_seqlens value retraced the prefill"
   assert bits_equal(o, expect[0]) and bits_equal(new_cache, expect[1])
+
+
+@pytest.mark.gpu
+def test_cache_past_int32_offsets_gpu():
+  """The prefill writes a slot near the end of a cache of more than 2**31 elements (bf16,
+  S=1100, HV=32, K=128, V=512) in place: the scan's slot offsets must be int64."""
+  c = Case(B=2, T=130, H=8, HV=32, K=128, V=512, M=2, dtype="bfloat16", l2norm=True)
+  a, _ = make_inputs(c, seed=12)
+  S = 1100
+  slots = jnp.asarray([S - 1, 5], jnp.int32)
+  cache = jax.random.normal(jax.random.key(1), (S, c.HV, c.K, c.V), jnp.bfloat16)
+  before = cache[slots]
+  neighbour = cache[S - 2]
+  o, cache = jax.jit(lambda a, cache: gdp_jax.chunk_gated_delta_product(
+      **a, num_householder=c.M, state=cache, state_indices=slots, use_qk_l2norm_in_kernel=True,
+      backend="triton"), donate_argnums=1)(a, cache)
+  up = lambda x: x.astype(jnp.float64) if x is not None and jnp.issubdtype(x.dtype, jnp.floating) else x
+  o_ref, final_ref = reference.chunk_gated_delta_product(
+      **{n: up(x) for n, x in a.items()}, num_householder=c.M, initial_state=up(before),
+      output_final_state=True, use_qk_l2norm_in_kernel=True)
+  assert_close("o", o_ref, o, 1e-2)
+  assert_close("state at the far slot", final_ref, cache[slots], 1e-2)
+  assert bits_equal(cache[S - 2], neighbour)
