@@ -37,3 +37,34 @@ def bits_equal(a, b) -> bool:
   if a.shape != b.shape or a.dtype != b.dtype:
     return False
   return a.tobytes() == b.tobytes()
+
+
+def state_arguments(rng, c, N):
+  """The keyword arguments for a test case's sequences and state, poisoned where unaddressed.
+
+  c carries T, HV, K, V, varlen (packed sequence lengths, or ()), init (dense initial state),
+  cache ("" none, "plain" slot n for sequence n, "slots": S > N permuted slots with a -1 and, for
+  N > 2, an out-of-range one) and final (output_final_state without a cache). Unaddressed slots
+  hold NaN, so a stray write or read shows.
+  """
+  kw = {}
+  if c.varlen:
+    cu = np.concatenate([[0], np.cumsum(c.varlen)])
+    assert cu[-1] <= c.T
+    kw["cu_seqlens"] = jnp.asarray(cu, jnp.int32)
+  if c.init:
+    kw["initial_state"] = jnp.asarray(rng.standard_normal((N, c.HV, c.K, c.V)), jnp.float32)
+  if c.cache:
+    S = N + 3 if c.cache == "slots" else N
+    cache = rng.standard_normal((S, c.HV, c.K, c.V)).astype(np.float32)
+    if c.cache == "slots":
+      slots = rng.permutation(S)[:N].astype(np.int32)
+      slots[0] = -1
+      if N > 2:
+        slots[-1] = S + 7  # out of range: padding too, and must not be written
+      cache[np.setdiff1d(np.arange(S), slots)] = np.nan
+      kw["state_indices"] = jnp.asarray(slots)
+    kw["state"] = jnp.asarray(cache, jnp.float32)
+  else:
+    kw["output_final_state"] = c.final
+  return kw

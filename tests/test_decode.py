@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 import gdp_jax
 from conftest import KERNEL_BACKEND
 from gdp_jax import _configs, reference
-from helpers import RTOL, assert_close, bits_equal
+from helpers import RTOL, assert_close, bits_equal, state_arguments
 
 f64 = jnp.float64
 
@@ -89,31 +89,12 @@ def make_inputs(c: Case, seed):
     a["beta"] = jnp.asarray(rng.uniform(0, 2, (c.B, c.T, c.HV, c.V)), dt)
   else:
     a["beta"] = None
-  kw = dict(use_qk_l2norm_in_kernel=c.l2norm)
-  if c.varlen:
-    cu = np.concatenate([[0], np.cumsum(c.varlen)])
-    assert cu[-1] <= c.T
-    kw["cu_seqlens"] = jnp.asarray(cu, jnp.int32)
-  if c.init:
-    kw["initial_state"] = jnp.asarray(rng.standard_normal((N, c.HV, c.K, c.V)), jnp.float32)
-  if c.cache:
-    S = N + 3 if c.cache == "slots" else N
-    cache = rng.standard_normal((S, c.HV, c.K, c.V)).astype(np.float32)
-    if c.cache == "slots":
-      slots = rng.permutation(S)[:N].astype(np.int32)
-      slots[0] = -1
-      if N > 2:
-        slots[-1] = S + 7  # out of range: padding too, and must not be written
-      untouched = np.setdiff1d(np.arange(S), slots)
-      cache[untouched] = np.nan
-      kw["state_indices"] = jnp.asarray(slots)
-    kw["state"] = jnp.asarray(cache, jnp.float32)
-    if c.spt:
-      NI = c.T // c.spt
-      kw["intermediate_states"] = jnp.asarray(np.full((S, NI, c.HV, c.K, c.V), np.nan), jnp.float32)
-      kw["steps_per_token"] = c.spt
-  else:
-    kw["output_final_state"] = c.final
+  kw = dict(use_qk_l2norm_in_kernel=c.l2norm, **state_arguments(rng, c, N))
+  if c.cache and c.spt:
+    S = kw["state"].shape[0]
+    kw["intermediate_states"] = jnp.asarray(
+        np.full((S, c.T // c.spt, c.HV, c.K, c.V), np.nan), jnp.float32)
+    kw["steps_per_token"] = c.spt
   return a, kw
 
 

@@ -23,7 +23,7 @@ import gdp_jax
 from conftest import KERNEL_BACKEND
 from gdp_jax import _prefill_kernels as pk
 from gdp_jax import reference
-from helpers import RTOL, assert_close, bits_equal
+from helpers import RTOL, assert_close, bits_equal, state_arguments
 
 # exp2 above the causal diagonal overflows to inf by design; the kernels select it away (the
 # interpreter's numpy still reports the overflow).
@@ -128,25 +128,7 @@ def make_inputs(c: Case, seed):
   kw = dict(num_householder=c.M, use_qk_l2norm_in_kernel=c.l2norm,
             return_chunk_states=c.chunk_states,
             chunk_states_dtype=jnp.dtype(c.states_dtype) if c.states_dtype else None)
-  if c.varlen:
-    cu = np.concatenate([[0], np.cumsum(c.varlen)])
-    assert cu[-1] <= c.T
-    kw["cu_seqlens"] = jnp.asarray(cu, jnp.int32)
-  if c.init:
-    kw["initial_state"] = jnp.asarray(rng.standard_normal((N, c.HV, c.K, c.V)), jnp.float32)
-  if c.cache:
-    S = N + 3 if c.cache == "slots" else N
-    cache = rng.standard_normal((S, c.HV, c.K, c.V)).astype(np.float32)
-    if c.cache == "slots":
-      slots = rng.permutation(S)[:N].astype(np.int32)
-      slots[0] = -1
-      if N > 2:
-        slots[-1] = S + 7  # out of range: padding too, and must not be written
-      cache[np.setdiff1d(np.arange(S), slots)] = np.nan
-      kw["state_indices"] = jnp.asarray(slots)
-    kw["state"] = jnp.asarray(cache, jnp.float32)
-  else:
-    kw["output_final_state"] = c.final
+  kw.update(state_arguments(rng, c, N))
   return a, kw
 
 
