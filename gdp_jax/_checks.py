@@ -143,22 +143,29 @@ def check_fused_recurrent(q, k, v, g, beta, *, scale, initial_state, cu_seqlens,
   return Dims(B, T, H, HV, K, V, N)
 
 
+def _expanded_stream(q, k, v, g, beta, M, batch, tokens, token):
+  """q one row per token, k, v, beta M rows per token (the Householder-expanded stream), g one
+  per token; `batch`, `tokens` name the leading dims ("B", "T" or "N", "D"), `token` the unit."""
+  _positive_int("num_householder", M)
+  rows = f"{tokens}*M"
+  _ndim("q", q, (batch, tokens, "H", "K"))
+  _ndim("v", v, (batch, rows, "HV", "V"))
+  B, T, H, K = q.shape
+  _expect("k", k, (batch, rows, "H", "K"), (B, T * M, H, K), f"M={M} rows per {token}")
+  _floating("k", k)
+  B, T, H, K, HV, V = _heads("q", q, "v", v)
+  _expect("v", v, (batch, rows, "HV", "V"), (B, T * M, HV, V), f"M={M} rows per {token}")
+  _expect("g", g, (batch, tokens, "HV"), (B, T, HV), f"one log decay per {token}")
+  _floating("g", g)
+  _expect("beta", beta, (batch, rows, "HV"), (B, T * M, HV), f"M={M} rows per {token}")
+  _floating("beta", beta)
+  return B, T, H, K, HV, V
+
+
 def check_prefill(q, k, v, g, beta, *, num_householder, scale, initial_state, cu_seqlens, state,
                   state_indices, chunk_states_dtype) -> Dims:
   """Checks the arguments of `chunk_gated_delta_product`."""
-  _positive_int("num_householder", num_householder)
-  M = num_householder
-  _ndim("q", q, ("B", "T", "H", "K"))
-  _ndim("v", v, ("B", "T*M", "HV", "V"))
-  B, T, H, K = q.shape
-  _expect("k", k, ("B", "T*M", "H", "K"), (B, T * M, H, K), f"M={M} rows per token")
-  _floating("k", k)
-  B, T, H, K, HV, V = _heads("q", q, "v", v)
-  _expect("v", v, ("B", "T*M", "HV", "V"), (B, T * M, HV, V), f"M={M} rows per token")
-  _expect("g", g, ("B", "T", "HV"), (B, T, HV), "one log decay per token")
-  _floating("g", g)
-  _expect("beta", beta, ("B", "T*M", "HV"), (B, T * M, HV), f"M={M} rows per token")
-  _floating("beta", beta)
+  B, T, H, K, HV, V = _expanded_stream(q, k, v, g, beta, num_householder, "B", "T", "token")
   N = _common_state(B, T, HV, K, V, scale=scale, initial_state=initial_state,
                     cu_seqlens=cu_seqlens, state=state, state_indices=state_indices)
   if chunk_states_dtype is not None and not jnp.issubdtype(chunk_states_dtype, jnp.floating):
@@ -169,19 +176,8 @@ def check_prefill(q, k, v, g, beta, *, num_householder, scale, initial_state, cu
 def check_gdp_decode(q, k, v, g, beta, *, num_householder, state, state_indices,
                      intermediate_states, scale) -> Dims:
   """Checks the arguments of `gated_delta_product_decode` (T is D, the draft tokens)."""
-  _positive_int("num_householder", num_householder)
-  M = num_householder
-  _ndim("q", q, ("N", "D", "H", "K"))
-  _ndim("v", v, ("N", "D*M", "HV", "V"))
-  N, D, H, K = q.shape
-  _expect("k", k, ("N", "D*M", "H", "K"), (N, D * M, H, K), f"M={M} rows per draft token")
-  _floating("k", k)
-  N, D, H, K, HV, V = _heads("q", q, "v", v)
-  _expect("v", v, ("N", "D*M", "HV", "V"), (N, D * M, HV, V), f"M={M} rows per draft token")
-  _expect("g", g, ("N", "D", "HV"), (N, D, HV), "one log decay per draft token")
-  _floating("g", g)
-  _expect("beta", beta, ("N", "D*M", "HV"), (N, D * M, HV), f"M={M} rows per draft token")
-  _floating("beta", beta)
+  N, D, H, K, HV, V = _expanded_stream(q, k, v, g, beta, num_householder, "N", "D",
+                                       "draft token")
   if state is None:
     raise ValueError("state: the decode step needs the cache [S, HV, K, V]")
   if state_indices is None:
