@@ -17,9 +17,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
-import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import common  # noqa: E402
 
 
 def _args():
@@ -28,26 +29,6 @@ def _args():
                  help="2 host CPU devices and the reference backend, tiny shapes")
   p.add_argument("--out", default=None, help="directory for sharding.json (default $OUT)")
   return p.parse_args()
-
-
-def _time(call, *, target_s=0.05, repeats=7, warmup=2):
-  """Median seconds per call of call() over batches of back-to-back calls (one wait per batch)."""
-  import jax
-  out = None
-  for _ in range(warmup):
-    out = call()
-  jax.block_until_ready(out)
-  t0 = time.perf_counter()
-  jax.block_until_ready(call())
-  batch = max(1, min(2000, int(target_s / max(time.perf_counter() - t0, 1e-6))))
-  times = []
-  for _ in range(repeats):
-    t0 = time.perf_counter()
-    for _ in range(batch):
-      out = call()
-    jax.block_until_ready(out)
-    times.append((time.perf_counter() - t0) / batch)
-  return statistics.median(times)
 
 
 def _inputs(rng, N, D, M, H, HV, K, V, S, dtype):
@@ -65,7 +46,7 @@ def _inputs(rng, N, D, M, H, HV, K, V, S, dtype):
 
 
 def _step_timer(decode, x, place, M, backend):
-  """Seconds per decode step of `decode` on inputs placed by place(name, array)."""
+  """Milliseconds per decode step of `decode` on inputs placed by place(name, array)."""
   import jax
   names = ("q", "k", "v", "g", "beta", "state_indices")
   args = [place(n, x[n]) for n in names]
@@ -82,7 +63,7 @@ def _step_timer(decode, x, place, M, backend):
     o, holder["state"] = step(*args, holder["state"])
     return o, holder["state"]
 
-  return _time(call)
+  return common.time_jax(call, target_s=0.05, repeats=7, warmup=2)["ms"]
 
 
 def main():
@@ -127,9 +108,9 @@ def main():
           state=full["state"], state_indices=full["state_indices"])
       one = lambda n, x: jax.device_put(x, devices[0])
       two = lambda n, x: jax.device_put(x, shard[n])
-      row["two_gpus_ms"] = 1e3 * _step_timer(sharded_decode, full, two, M, backend)
-      row["one_gpu_half_ms"] = 1e3 * _step_timer(decode, half, one, M, backend)
-      row["one_gpu_full_ms"] = 1e3 * _step_timer(decode, full, one, M, backend)
+      row["two_gpus_ms"] = _step_timer(sharded_decode, full, two, M, backend)
+      row["one_gpu_half_ms"] = _step_timer(decode, half, one, M, backend)
+      row["one_gpu_full_ms"] = _step_timer(decode, full, one, M, backend)
       row["ratio_vs_half"] = row["two_gpus_ms"] / row["one_gpu_half_ms"]
       row["speedup_vs_full"] = row["one_gpu_full_ms"] / row["two_gpus_ms"]
     except Exception as e:  # one failing shape still leaves the others' numbers
