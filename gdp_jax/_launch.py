@@ -28,6 +28,7 @@ import threading
 from typing import Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 # Triton's interpreter patches triton.language globals while a kernel runs, so two launches on
@@ -62,6 +63,12 @@ def _resolve_kernel(name, interpret: bool):
     return name  # a @triton.jit function given directly (tests)
   module_name, fn_name = name.rsplit(".", 1)
   return getattr(importlib.import_module(f"{mod.__name__}.{module_name}"), fn_name)
+
+
+def placeholder(dtype=jnp.float32) -> jax.Array:
+  """Stands for an optional pointer argument that is absent (a constexpr flag turns it off):
+  triton_call cannot pass None, since a pytree drops it."""
+  return jnp.zeros((1,), dtype)
 
 
 def _scalar(x):

@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from gdp_jax import _launch
+from gdp_jax import _configs, _launch
 from gdp_jax.reference.chunked import chunk_descriptors, chunk_offsets
 
 # Chunk length on both streams. The solve kernel's 4x4 split of 16x16 blocks and the scan's
@@ -79,21 +79,12 @@ def _h_block_v(cfg: _PrefillConfig, N: int, HV: int, K: int, V: int) -> int:
   return cfg.h_bv_wide
 
 
-def _next_pow2(x: int) -> int:
-  return 1 << max(0, (int(x) - 1).bit_length())
-
-
 def _dense_descriptors(B: int, L: int) -> np.ndarray:
   """The descriptors of B sequences of L rows each, as a trace-time constant."""
   nc = -(-L // BT)
   seq = np.repeat(np.arange(B, dtype=np.int32), nc)
   local = np.tile(np.arange(nc, dtype=np.int32), B)
   return np.stack([seq, local], -1)
-
-
-def _placeholder(dtype=jnp.float32) -> jax.Array:
-  # triton_call cannot pass None: optional pointers get this plus a constexpr flag.
-  return jnp.zeros((1,), dtype)
 
 
 def _dot_precision(dtype) -> str:
@@ -119,7 +110,7 @@ def _cumsum(g, cu, desc, *, M, backend):
       grid=(desc.shape[0],),
       out_shape=[jax.ShapeDtypeStruct((T * M, HV), jnp.float32)],
       backend=backend, num_warps=CONFIG.cumsum_warps,
-      HV=HV, M=M, BT=BT, BHV=_next_pow2(HV))
+      HV=HV, M=M, BT=BT, BHV=_configs._next_pow2(HV))
   return g_cum
 
 
@@ -128,7 +119,7 @@ def _kkt(k, beta, gx, cu, desc, *, HV, M, backend):
   TM, H, K = k.shape
   (A,) = _launch.call(
       "chunk_kkt.chunk_kkt_fwd_kernel", k, beta,
-      gx if gx is not None else _placeholder(), cu, desc,
+      gx if gx is not None else _launch.placeholder(), cu, desc,
       grid=(desc.shape[0], HV),
       out_shape=[jax.ShapeDtypeStruct((TM, HV, BT), jnp.float32)],
       backend=backend, num_warps=CONFIG.kkt_warps,
@@ -155,7 +146,7 @@ def _wy(k, v, beta, gx, Ai, cu, desc, *, M, backend):
   _, HV, V = v.shape
   w, u = _launch.call(
       "chunk_wy.chunk_wy_fwd_kernel", k, v, beta,
-      gx if gx is not None else _placeholder(), Ai, cu, desc,
+      gx if gx is not None else _launch.placeholder(), Ai, cu, desc,
       grid=(desc.shape[0], HV),
       out_shape=[jax.ShapeDtypeStruct((TM, HV, K), k.dtype),
                  jax.ShapeDtypeStruct((TM, HV, V), k.dtype)],
@@ -205,9 +196,9 @@ def _scan(k, w, u, gx, cu, offsets, n_rows, *, M, h0, state_indices, final_kind,
   S = h0.shape[0] if h0 is not None else N
   h, h_snap, v_new, ht = _launch.call(
       "chunk_h.chunk_h_fwd_kernel", k, w, u,
-      gx if gx is not None else _placeholder(),
-      h0 if h0 is not None else _placeholder(),
-      state_indices if state_indices is not None else _placeholder(jnp.int32),
+      gx if gx is not None else _launch.placeholder(),
+      h0 if h0 is not None else _launch.placeholder(),
+      state_indices if state_indices is not None else _launch.placeholder(jnp.int32),
       cu, offsets,
       HV * K * V, K * V, S,
       grid=(N * HV, -(-V // bv)),
@@ -229,8 +220,8 @@ def _output(q, k, v_new, h, gu, state_indices, S, cu, desc, *, M, scale, out_dty
   bv = CONFIG.o_bv
   (o,) = _launch.call(
       "chunk_o.chunk_o_fwd_kernel", q, k, v_new, h,
-      gu if gu is not None else _placeholder(),
-      state_indices if state_indices is not None else _placeholder(jnp.int32),
+      gu if gu is not None else _launch.placeholder(),
+      state_indices if state_indices is not None else _launch.placeholder(jnp.int32),
       cu, desc, S, float(scale),
       grid=(desc.shape[0], -(-V // bv), HV),
       out_shape=[jax.ShapeDtypeStruct((T, HV, V), out_dtype)],

@@ -62,11 +62,6 @@ def fused_recurrent_gated_delta_rule(
   return _fused_recurrent_fwd(q, k, v, g, beta, dims=dims, backend=backend, **kwargs)
 
 
-def _placeholder(dtype=jnp.float32):
-  # triton_call cannot pass None: optional pointers get this plus a constexpr flag.
-  return jnp.zeros((1,), dtype)
-
-
 def _fused_recurrent_fwd(q, k, v, g, beta, *, dims, backend, scale, initial_state,
                          output_final_state, use_qk_l2norm_in_kernel, cu_seqlens, state,
                          state_indices, intermediate_states, steps_per_token):
@@ -80,13 +75,13 @@ def _fused_recurrent_fwd(q, k, v, g, beta, *, dims, backend, scale, initial_stat
   f32 = jnp.float32
   args = (
       q, k, v,
-      _placeholder() if g is None else g.astype(f32),
-      _placeholder() if beta is None else beta,
-      _placeholder() if initial_state is None else initial_state,
-      state if has_state else _placeholder(),
-      intermediate_states if has_inter else _placeholder(),
-      _placeholder(jnp.int32) if state_indices is None else state_indices.astype(jnp.int32),
-      _placeholder(jnp.int32) if cu_seqlens is None else cu_seqlens.astype(jnp.int32),
+      _launch.placeholder() if g is None else g.astype(f32),
+      _launch.placeholder() if beta is None else beta,
+      _launch.placeholder() if initial_state is None else initial_state,
+      state if has_state else _launch.placeholder(),
+      intermediate_states if has_inter else _launch.placeholder(),
+      _launch.placeholder(jnp.int32) if state_indices is None else state_indices.astype(jnp.int32),
+      _launch.placeholder(jnp.int32) if cu_seqlens is None else cu_seqlens.astype(jnp.int32),
       scale, T, S,
   )
   out_shape = (
@@ -188,10 +183,10 @@ def _gdp_decode_fwd(q, k, v, g, beta, *, M, dims, state, state_indices, intermed
   has_inter = intermediate_states is not None
   args = (
       q, k, v,
-      _placeholder() if g is None else g.astype(jnp.float32),
-      _placeholder() if beta is None else beta,
+      _launch.placeholder() if g is None else g.astype(jnp.float32),
+      _launch.placeholder() if beta is None else beta,
       state,
-      intermediate_states if has_inter else _placeholder(),
+      intermediate_states if has_inter else _launch.placeholder(),
       state_indices.astype(jnp.int32),
       scale, state.shape[0],
   )
