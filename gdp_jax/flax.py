@@ -33,6 +33,8 @@ import numpy as np
 from gdp_jax.decode import accept_draft_tokens as _accept_state
 from gdp_jax.decode import gated_delta_product_decode
 from gdp_jax.prefill import chunk_gated_delta_product
+# torch's softplus (threshold 20), as FLA's gate uses it; the one the jnp gates of gdp_jax use.
+from gdp_jax.reference.prepare import _softplus
 
 __all__ = [
     "GDPCache",
@@ -64,12 +66,6 @@ class GDPCache(NamedTuple):
   conv: jax.Array | None = None
   state_snapshots: jax.Array | None = None
   conv_snapshots: jax.Array | None = None
-
-
-def _softplus(x):
-  # torch's F.softplus (beta 1, threshold 20), which FLA's gate uses; the clamp keeps exp finite
-  # in the branch that where() discards, so gradients stay finite too.
-  return jnp.where(x > 20.0, x, jnp.log1p(jnp.exp(jnp.minimum(x, 20.0))))
 
 
 def _acc(dtype):
