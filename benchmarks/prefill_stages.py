@@ -6,7 +6,7 @@ previous stages produced (METHOD.md: time variants, take differences). Each conf
 checked against the default config's output before its time counts: block sizes change the
 summation order, so the check is a relative error (bf16 level), not bits.
 
-    python3 benchmarks/prefill_stages.py [--rows 0,1] [--sweep] [--budget-s 240]
+    python3 benchmarks/prefill_stages.py [--rows 0,1] [--sweep] [--fla] [--budget-s 240]
     python3 benchmarks/prefill_stages.py --cpu-smoke      # the plumbing, in the interpreter
 
 Writes $OUT/prefill_stages.json and prints a table per row (ms per stage, share of the total).
@@ -54,7 +54,8 @@ def make_inputs(B, T, H, HV, K, V, M, seed=0):
 
 
 def stage_calls(pk, x, B, T, M, backend):
-  """The stages as jitted closures over the previous stages' outputs (computed once here)."""
+  """The stages as jitted functions (lazy: nothing compiles until a call), reading pk.CONFIG
+  when they trace."""
   import jax
   import jax.numpy as jnp
   import numpy as np
@@ -80,6 +81,11 @@ def stage_calls(pk, x, B, T, M, backend):
           q, k, vn, h, gu, None, B, cu, desc_t, M=M, scale=K ** -0.5, out_dtype=x["v"].dtype,
           backend=backend)),
   }
+  return calls
+
+
+def stage_args(calls, x):
+  """Each stage's inputs, from running the stages before it once."""
   gu, gx = calls["cumsum"](x["g"])
   A = calls["kkt"](x["k"], x["beta"], gx)
   Ai = calls["solve"](A)
@@ -88,7 +94,50 @@ def stage_calls(pk, x, B, T, M, backend):
   args = {"cumsum": (x["g"],), "kkt": (x["k"], x["beta"], gx), "solve": (A,),
           "wy": (x["k"], x["v"], x["beta"], gx, Ai), "scan": (x["k"], w, u, gx),
           "output": (x["q"], x["k"], v_new, h, gu)}
-  return calls, args
+  return args
+
+
+def fla_stage_times(x, B, T, M):
+  """fla-core's forward stages (the calls inside its chunk_gated_delta_product_fwd) on the same
+  inputs, ms each (do_bench medians); each stage's inputs come from running the ones before."""
+  import torch
+  from fla.ops.common.chunk_scaled_dot_kkt import chunk_scaled_dot_kkt_fwd
+  from fla.ops.gated_delta_product.chunk_deltaproduct_h import chunk_gated_delta_product_fwd_h
+  from fla.ops.gated_delta_product.chunk_deltaproduct_o import chunk_gated_delta_product_fwd_o
+  from fla.ops.gated_delta_rule.wy_fast import recompute_w_u_fwd
+  from fla.ops.utils import chunk_local_cumsum, solve_tril
+  from fla.ops.utils.constant import RCP_LN2
+  torch.set_grad_enabled(False)
+  t = {n: common.to_torch(x[n]) for n in ("q", "k", "v", "g", "beta")}
+  q = t["q"].reshape(B, T, *t["q"].shape[1:])
+  k = t["k"].reshape(B, T * M, *t["k"].shape[1:])
+  v = t["v"].reshape(B, T * M, *t["v"].shape[1:])
+  g = t["g"].reshape(B, T, -1)
+  beta = t["beta"].reshape(B, T * M, -1)
+  K = k.shape[-1]
+
+  def cumsum():
+    gi = g.new_zeros(B, T, M, g.shape[-1])
+    gi[:, :, 0] = g
+    gi = gi.reshape(B, T * M, -1)
+    return (chunk_local_cumsum(g, chunk_size=64, scale=RCP_LN2, output_dtype=torch.float32),
+            chunk_local_cumsum(gi, chunk_size=64, scale=RCP_LN2, output_dtype=torch.float32))
+  gu, gx = cumsum()
+  kkt = lambda: chunk_scaled_dot_kkt_fwd(k=k, g=gx, beta=beta, output_dtype=torch.float32)
+  A = kkt()
+  solve = lambda: solve_tril(A=A, output_dtype=k.dtype)
+  Ai = solve()
+  wy = lambda: recompute_w_u_fwd(k=k, v=v, beta=beta, A=Ai, g=gx)
+  w, u = wy()
+  scan = lambda: chunk_gated_delta_product_fwd_h(
+      k=k, w=w, u=u, g=gx, initial_state=None, output_final_state=True, num_householder=M)
+  h, v_new, _ = scan()
+  output = lambda: chunk_gated_delta_product_fwd_o(
+      q=q, k=k, v=v_new, h=h, g=gu, scale=K ** -0.5, num_householder=M)
+  output()
+  return {s: common.time_torch(f) for s, f in (("cumsum", cumsum), ("kkt", kkt),
+                                                ("solve", solve), ("wy", wy), ("scan", scan),
+                                                ("output", output))}
 
 
 def main() -> int:
@@ -98,6 +147,7 @@ def main() -> int:
   p.add_argument("--sweep", action="store_true", help="also sweep the configs of big stages")
   p.add_argument("--budget-s", type=float, default=240.0)
   p.add_argument("--out", default=None)
+  p.add_argument("--fla", action="store_true", help="also time fla-core's stages")
   a = p.parse_args()
   common.setup_env(a.cpu_smoke)
   import jax
@@ -117,7 +167,8 @@ def main() -> int:
 
     def body(row):
       x = make_inputs(*shape)
-      calls, args = stage_calls(pk, x, B, T, M, backend)
+      calls = stage_calls(pk, x, B, T, M, backend)
+      args = stage_args(calls, x)
       times = {s: common.time_jax(lambda s=s: calls[s](*args[s]))["ms"] for s in calls}
       row.update({f"{s}_ms": t for s, t in times.items()})
       total = sum(times.values())
@@ -125,6 +176,16 @@ def main() -> int:
       print(f"[stages] B={B} T={T} H={H} HV={HV} K={K} V={V} M={M}: "
             + ", ".join(f"{s} {t:.3f} ms ({t / total:.0%})" for s, t in times.items())
             + f"; sum {total:.3f} ms", flush=True)
+      if a.fla and not a.cpu_smoke:
+        try:
+          ft = fla_stage_times(x, B, T, M)
+          row.update({f"fla_{s}_ms": v for s, v in ft.items()})
+          row["fla_sum_ms"] = sum(ft.values())
+          print("[stages] fla-core: " + ", ".join(f"{s} {v:.3f} ms (ours/fla {times[s] / v:.2f})"
+                                                  for s, v in ft.items())
+                + f"; sum {row['fla_sum_ms']:.3f} ms", flush=True)
+        except Exception as e:  # fla absent or its API moved: our columns still count
+          print(f"[stages] fla-core stages failed: {type(e).__name__}: {e}"[:300], flush=True)
       if not a.sweep:
         return
       ref = {s: calls[s](*args[s]) for s in SWEEP}
@@ -136,7 +197,7 @@ def main() -> int:
             break
           pk.CONFIG = dataclasses.replace(default_cfg, **over)
           try:
-            c2, _ = stage_calls(pk, x, B, T, M, backend)
+            c2 = stage_calls(pk, x, B, T, M, backend)
             out = c2[stage](*args[stage])
             err = common.worst(*[common.rel_err(o, r) for o, r in
                                  zip(jax.tree.leaves(out), jax.tree.leaves(ref[stage]))])
@@ -155,6 +216,10 @@ def main() -> int:
   common.print_table("prefill stages (ms)", res.data["sections"].get("stages", []),
                      [(c, c, ".3f") for c in ("cumsum_ms", "kkt_ms", "solve_ms", "wy_ms",
                                               "scan_ms", "output_ms", "sum_ms")])
+  common.print_table("fla-core stages (ms)", res.data["sections"].get("stages", []),
+                     [(c, c, ".3f") for c in ("fla_cumsum_ms", "fla_kkt_ms", "fla_solve_ms",
+                                              "fla_wy_ms", "fla_scan_ms", "fla_output_ms",
+                                              "fla_sum_ms")])
   return 0
 
 
