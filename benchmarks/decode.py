@@ -56,6 +56,8 @@ def parse_args():
   p.add_argument("--parts", default="copy,first,main,bf16,sweep",
                  help="comma-separated subset of copy,first,main,bf16,sweep (e.g. 'copy,sweep' "
                       "for a second call that only sweeps)")
+  p.add_argument("--shapes", default=None,
+                 help="main-table rows as NxHVxD[xS] items, comma-separated (default: all)")
   p.add_argument("--gdp-kernel", choices=("fold", "native"), default=None,
                  help="kernel behind gated_delta_product_decode (gdp_jax._configs."
                       "GDP_DECODE_KERNEL); default: the library's")
@@ -386,6 +388,9 @@ def main():
       shapes += [(N, 32, 1, N) for N in (1, 8, 64, 256)]
       shapes += [(N, HV, 4, N) for HV in (16, 32) for N in (1, 8, 64, 256)]
       bf16_shapes = [(256, 16, 1, 256)]
+    if args.shapes:
+      shapes = [tuple(int(n) for n in item.split("x")) for item in args.shapes.split(",")]
+      shapes = [s if len(s) == 4 else s + (s[0],) for s in shapes]
     rows = []
     plan = []
     if "main" in parts:

@@ -29,12 +29,13 @@ SMOKE_ROWS = [(1, 130, 1, 2, 32, 32, 2)]
 
 # Variants per stage: the fields of _PrefillConfig each one overrides.
 SWEEP = {
-    "kkt": [dict(kkt_warps=w) for w in (2, 4, 8)],
-    "wy": [dict(wy_warps=w, wy_bv=bv) for w in (4, 8) for bv in (32, 64, 128)],
+    "kkt": [dict(kkt_warps=w, kkt_bk=bk) for w in (2, 4, 8) for bk in (64, 128)],
+    "solve": [dict(solve_warps=w) for w in (1, 2, 4, 8)],
+    "wy": [dict(wy_warps=w, wy_bv=bv) for w in (2, 4, 8) for bv in (32, 64, 128)],
     "scan": [dict(h_warps=w, h_stages=s, h_bv_wide=bv, h_bv_narrow=bv)
              for w in (2, 4, 8) for s in (1, 2, 3) for bv in (32, 64)],
-    "output": [dict(o_warps=w, o_bv=bv, o_stages=s) for w in (4, 8) for bv in (64, 128)
-               for s in (1, 2, 3)],
+    "output": [dict(o_warps=w, o_bv=bv, o_bk=bk, o_stages=s) for w in (2, 4, 8)
+               for bv in (64, 128) for bk in (64, 128) for s in (2, 3)],
 }
 
 

@@ -5,8 +5,10 @@ I + A is unit lower triangular, and so is its inverse X. Both are split into a 4
 
 1. Diagonal blocks by forward substitution (vector work): X_pp = I + L_p with L_p strictly
    lower; starting from L_p = -strict_lower(A_pp), row i becomes a_i + a_i @ L_p for
-   i = 2..15, where a_i is row i of the start value (rows < i are final by then). The four
-   blocks are independent and advance together; the loop stops at the chunk's valid rows.
+   i = 2..15, where a_i is row i of the start value (rows < i are final by then). a_i is read
+   again from A (an L1 hit) rather than picked out of the register tile, which would take a
+   second cross-thread reduction per row. The four blocks are independent and advance
+   together (four dependency chains in flight); the loop stops at the chunk's valid rows.
 2. Off-diagonal blocks by increasing distance from the diagonal, with full-float32 dots:
    X_pq = -X_pp @ sum_{m=q}^{p-1} A_pm @ X_mq.
 3. All 16 blocks are stored in the output dtype (round to nearest even), the six above the
@@ -42,12 +44,14 @@ def _store_block(p_Ai, b_X, i_p, i_q, n, STRIDE: tl.constexpr):
 
 
 @triton.jit
-def _substitute_row(b_L, i, o_i):
-  """Row i of L becomes a_i + a_i @ L, with a_i its current (start) value."""
-  m_row = o_i[:, None] == i
-  b_a = tl.sum(tl.where(m_row, b_L, 0.), 0)
+def _substitute_row(b_L, p_A, i_p, i, o_i, n, STRIDE: tl.constexpr):
+  """Row i of block p's L becomes a_i + a_i @ L, a_i = -(row i of A_pp, strictly lower part);
+  a row at or past n stays zero."""
+  r = i_p * 16 + i
+  b_a = -tl.load(p_A + r * STRIDE + i_p * 16 + o_i, mask=o_i < tl.where(r < n, i, 0), other=0.)
+  b_a = b_a.to(tl.float32)
   b_a = b_a + tl.sum(b_a[:, None] * b_L, 0)
-  return tl.where(m_row, b_a[None, :], b_L)
+  return tl.where((o_i == i)[:, None], b_a[None, :], b_L)
 
 
 @triton.jit
@@ -93,10 +97,10 @@ def chunk_solve_fwd_kernel(
   # Rows 0 and 1 of each L are final already. Rows at or past n are zero and stay zero, so the
   # loop stops at n; block 0 holds the most valid rows, so its count bounds all four.
   for i in range(2, tl.minimum(n, 16)):
-    b_L0 = _substitute_row(b_L0, i, o_i)
-    b_L1 = _substitute_row(b_L1, i, o_i)
-    b_L2 = _substitute_row(b_L2, i, o_i)
-    b_L3 = _substitute_row(b_L3, i, o_i)
+    b_L0 = _substitute_row(b_L0, p_A, 0, i, o_i, n, HV * BT)
+    b_L1 = _substitute_row(b_L1, p_A, 1, i, o_i, n, HV * BT)
+    b_L2 = _substitute_row(b_L2, p_A, 2, i, o_i, n, HV * BT)
+    b_L3 = _substitute_row(b_L3, p_A, 3, i, o_i, n, HV * BT)
   b_X00 = tl.where(m_diag, 1., b_L0)
   b_X11 = tl.where(m_diag, 1., b_L1)
   b_X22 = tl.where(m_diag, 1., b_L2)
