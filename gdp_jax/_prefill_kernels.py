@@ -36,35 +36,44 @@ BT = 64
 @dataclasses.dataclass(frozen=True)
 class _PrefillConfig:
   """Block sizes and warps. Pinned, not autotuned: BK and BV set the summation order, and
-  repeat runs must be bitwise equal (ALGORITHM.md §10.4)."""
-  # Warps were chosen from sm_90a compiles (ptxas -v, triton 3.9) as the fewest that leave no
-  # register spills at K=128/V=128 and K=256/V=512; they are not timed yet (benchmarks/).
+  repeat runs must be bitwise equal (ALGORITHM.md §10.4).
+
+  The values are the winners of `benchmarks/prefill_stages.py --sweep` on the H200
+  (2026-11-30, benchmarks/RESULTS.md) at B=4 T=2048 H=16 K=V=128 M=2, B=8 T=4096 H=32 and
+  B=4 T=2048 H=6 K=256 V=512. One set won or came within 5% of the best at all three, so there
+  is one table row; the exception is stage 4 at K=256 V=512 (0.128 against 0.109 ms for 2 warps,
+  2% of that prefill). Every config was checked there against the previous one's output.
+  """
   # Stage 1: 64 rows x all heads per program, a few hundred scalars; one warp is plenty.
   cumsum_warps: int = 1
-  # Stage 2: K is swept in 64-wide slices, the width of one key tile of the scan (Megatron
-  # autotunes 32/64/128; any fixed choice is deterministic).
-  kkt_bk: int = 64
-  kkt_warps: int = 4
-  # Stage 3: sixteen 16x16 blocks and a 14-step loop; 4 warps cover a 64x64 chunk.
-  solve_warps: int = 4
-  # Stage 4: one 64x64 Ai block times 64-wide slices of K and V; spills with 4 warps.
+  # Stage 2: 2 warps and a 128-wide K slice: 0.341 against 0.369 ms (4 warps, 64) at B=8 H=32.
+  kkt_bk: int = 128
+  kkt_warps: int = 2
+  # Stage 3: one warp. The substitution is a chain of 14 row updates, each a reduction over a
+  # 16x16 tile: within one warp they are shuffles, across warps they go through shared memory
+  # with a barrier each. 0.113 against 0.226 ms (4 warps) at B=4 H=16, 0.78 against 1.71 ms at
+  # B=8 H=32.
+  solve_warps: int = 1
+  # Stage 4: one 64x64 Ai block times 128-wide slices of V (64 of K); 8 warps.
   wy_bk: int = 64
-  wy_bv: int = 64
+  wy_bv: int = 128
   wy_warps: int = 8
-  # Stage 5: BV 64 when the scan has enough programs to fill the GPU and the state fits (K up
-  # to 128: two 64x64 float32 tiles); 32 for K > 128 (four tiles) or when N*HV*ceil(V/64)
-  # programs would leave SMs idle (a long sequence with few heads). 8 warps: the scan is a
-  # sequential chain of small dots, and 4 warps spill at BV = 64.
+  # Stage 5: 4 warps, 3 stages (the next chunk's w, u, k tiles load while this one computes):
+  # 0.115 against 0.199 ms (8 warps, 2 stages) at B=4 H=16, 0.94 against 1.44 ms at B=8 H=32,
+  # 0.41 against 0.63 ms at K=256. BV 64 when the state fits (K up to 128: two 64x64 float32
+  # tiles) unless N*HV*ceil(V/64) programs would leave most SMs idle (a long sequence with few
+  # heads: there twice the programs of half the width finish the sequential chain sooner); 32
+  # for K > 128 (four tiles).
   h_bv_wide: int = 64
   h_bv_narrow: int = 32
-  h_min_programs: int = 264  # two programs per SM of an H200 (132 SMs)
-  h_warps: int = 8
-  h_stages: int = 2
-  # Stage 6: 64 x 64 output tiles, K in 64-wide slices (the sources use {64, 128}); spills
-  # with 4 warps.
-  o_bk: int = 64
-  o_bv: int = 64
-  o_warps: int = 8
+  h_min_programs: int = 66  # half the SMs of an H200 (132); 128 programs measured: 64 wins
+  h_warps: int = 4
+  h_stages: int = 3
+  # Stage 6: 64 x 128 output tiles, K in 128-wide slices, 4 warps: 0.091 against 0.17 ms
+  # (8 warps, 64 x 64, BK 64) at B=4 H=16, 0.68 against 1.48 ms at B=8 H=32.
+  o_bk: int = 128
+  o_bv: int = 128
+  o_warps: int = 4
   o_stages: int = 2
 
 
