@@ -69,6 +69,10 @@ class _PrefillConfig:
   h_min_programs: int = 66  # half the SMs of an H200 (132); 128 programs measured: 64 wins
   h_warps: int = 4
   h_stages: int = 3
+  # float32 inputs (the reference-precision path) take "ieee" dots, whose operands Triton stages
+  # in shared memory: 3 stages need 287 KB at K=256 (over the H200's 227 KB; compiled with
+  # triton 3.6 on the device and 3.9 here), 2 stages 148 KB.
+  h_stages_f32: int = 2
   # Stage 6: 64 x 128 output tiles, K in 128-wide slices, 4 warps: 0.091 against 0.17 ms
   # (8 warps, 64 x 64, BK 64) at B=4 H=16, 0.68 against 1.48 ms at B=8 H=32.
   o_bk: int = 128
@@ -213,7 +217,8 @@ def _scan(k, w, u, gx, cu, offsets, n_rows, *, M, h0, state_indices, final_kind,
       grid=(N * HV, -(-V // bv)),
       out_shape=out_shape,
       input_output_aliases=aliases,
-      backend=backend, num_warps=CONFIG.h_warps, num_stages=CONFIG.h_stages,
+      backend=backend, num_warps=CONFIG.h_warps,
+      num_stages=CONFIG.h_stages_f32 if k.dtype == jnp.float32 else CONFIG.h_stages,
       H=H, HV=HV, K=K, V=V, M=M, BT=BT, BV=bv,
       USE_G=gx is not None, USE_INITIAL_STATE=h0 is not None,
       STORE_FINAL_STATE=final_kind != "none", HAS_STATE_INDICES=state_indices is not None,
