@@ -1,0 +1,141 @@
+"""Every kernel configuration the launchers pick compiles for the H200 (sm_90) within its
+shared memory, checked on a machine without a GPU.
+
+A configuration that asks for more shared memory than the GPU has compiles fine and fails only
+at launch ("Shared memory requested (287240 b) exceeds device resources (232448 b)": the prefill
+scan with 3 pipeline stages on float32 inputs at K=256, found on the H200). Triton compiles for
+a CUDA target without a device, so this test traces the public entry points with the launch
+replaced by a recorder (the kernel, its argument types, constexprs, warps and stages, exactly as
+they would reach jax-triton), compiles each distinct launch for sm_90 and reads the shared
+memory the compiler reserved.
+
+It runs in a subprocess: Triton fixes interpreted or compiled mode when it is first imported,
+and the test process has imported it in interpreter mode (conftest.py).
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+# cudaDevAttrMaxSharedMemoryPerBlockOptin of an H100 / H200: 227 KB.
+SM90_MAX_SHARED = 232448
+
+# (what, dtype, K, V): the largest head sizes the kernels support and the common one.
+CASES = [("prefill", "bfloat16", 256, 512), ("prefill", "float32", 256, 512),
+         ("prefill", "bfloat16", 128, 128), ("decode", "bfloat16", 256, 512),
+         ("decode", "float32", 256, 512)]
+
+
+def _record_launches(what, dtype, K, V):
+  """The launches one call makes, as jax-triton would compile them (not run)."""
+  import jax
+  import jax.numpy as jnp
+  import gdp_jax
+  from gdp_jax import _backends, _launch
+
+  launches = []
+
+  def recorder(kernel, args, grid, out_shape, aliases, num_warps, num_stages, constexprs):
+    fn = _launch._resolve_kernel(kernel, interpret=False)
+    launches.append((fn, args, out_shape, num_warps, num_stages, constexprs))
+    return tuple(jnp.zeros(s.shape, s.dtype) for s in out_shape)
+
+  _launch._jax_triton = recorder
+  _backends.resolve = lambda backend: "triton"
+  dt = jnp.dtype(dtype)
+  H, HV, M, S = 2, 4, 2, 8
+  f32 = jnp.float32
+  sds = jax.ShapeDtypeStruct
+  if what == "prefill":
+    T = 300
+    args = (sds((1, T, H, K), dt), sds((1, T * M, H, K), dt), sds((1, T * M, HV, V), dt),
+            sds((1, T, HV), f32), sds((1, T * M, HV), f32), sds((S, HV, K, V), f32),
+            sds((3,), jnp.int32), sds((2,), jnp.int32))
+
+    def run(q, k, v, g, beta, state, cu, idx):
+      return gdp_jax.chunk_gated_delta_product(
+          q, k, v, g, beta, num_householder=M, cu_seqlens=cu, state=state, state_indices=idx,
+          return_chunk_states=True, chunk_states_dtype=jnp.float16,
+          use_qk_l2norm_in_kernel=True, backend="triton")
+  else:
+    N, D = 4, 3
+    args = (sds((N, D, H, K), dt), sds((N, D * M, H, K), dt), sds((N, D * M, HV, V), dt),
+            sds((N, D, HV), f32), sds((N, D * M, HV), f32), sds((S, HV, K, V), f32),
+            sds((N,), jnp.int32), sds((S, D, HV, K, V), f32))
+
+    def run(q, k, v, g, beta, state, idx, inter):
+      return gdp_jax.gated_delta_product_decode(
+          q, k, v, g, beta, num_householder=M, state=state, state_indices=idx,
+          intermediate_states=inter, use_qk_l2norm_in_kernel=True, backend="triton")
+  jax.eval_shape(run, *args)
+  return launches
+
+
+def _signature(fn, args, out_shape, constexprs):
+  """Triton signature of a launch, typed the way jax-triton 0.3.1 types it."""
+  import numpy as np
+
+  def ptr(dtype):
+    return "*" + {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16",
+                  "int32": "i32", "int64": "i64"}[np.dtype(dtype).name]
+
+  sig, consts = {}, dict(constexprs)
+  names = iter(fn.arg_names)
+  for a in list(args) + list(out_shape):
+    name = next(names)
+    if hasattr(a, "dtype") and hasattr(a, "shape") and not isinstance(a, np.generic):
+      sig[name] = ptr(a.dtype)
+    elif isinstance(a, bool):
+      sig[name] = "i1"
+    elif isinstance(a, int):
+      if a == 1:  # jax-triton turns a scalar 1 into a constexpr
+        consts[name] = 1
+      else:
+        sig[name] = "i32" if -2**31 <= a < 2**31 else "i64"
+    else:
+      sig[name] = "fp32"
+  for name in consts:
+    sig[name] = "constexpr"
+  return sig, consts
+
+
+def main():
+  import triton
+  from triton.backends.compiler import GPUTarget
+  from triton.compiler import ASTSource
+  seen, report = set(), []
+  for case in CASES:
+    for fn, args, out_shape, warps, stages, constexprs in _record_launches(*case):
+      sig, consts = _signature(fn, args, out_shape, constexprs)
+      key = (fn.__name__, tuple(sig.items()), tuple(sorted(consts.items())), warps, stages)
+      if key in seen:
+        continue
+      seen.add(key)
+      kernel = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts),
+                              target=GPUTarget("cuda", 90, 32),
+                              options=dict(num_warps=warps, num_stages=stages))
+      report.append(dict(case=list(case), kernel=fn.__name__, num_warps=warps,
+                         num_stages=stages, shared=kernel.metadata.shared))
+  print(json.dumps(report))
+
+
+def test_every_launch_fits_sm90_shared_memory():
+  env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+  env["JAX_PLATFORMS"] = "cpu"
+  proc = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True,
+                        timeout=900)
+  assert proc.returncode == 0, proc.stderr[-4000:]
+  report = json.loads(proc.stdout.strip().splitlines()[-1])
+  kernels = {r["kernel"] for r in report}
+  # Every kernel of both paths was traced and compiled.
+  assert {"chunk_cumsum_fwd_kernel", "chunk_kkt_fwd_kernel", "chunk_solve_fwd_kernel",
+          "chunk_wy_fwd_kernel", "chunk_h_fwd_kernel", "chunk_o_fwd_kernel"} <= kernels, kernels
+  assert any("decode" in k or "recurrent" in k for k in kernels), kernels
+  over = [r for r in report if r["shared"] > SM90_MAX_SHARED]
+  assert not over, f"over the {SM90_MAX_SHARED} bytes of an sm_90 block: {over}"
+
+
+if __name__ == "__main__":
+  main()
