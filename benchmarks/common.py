@@ -462,9 +462,11 @@ def _load(path):
 
 
 def summary(d: str) -> None:
-  log = os.path.join(d, "gpu_tests.log")
   print("\n######## SUMMARY ########")
-  if os.path.exists(log):
+  for what, name in (("tests", "gpu_tests.log"), ("notebooks", "notebooks.log")):
+    log = os.path.join(d, name)
+    if not os.path.exists(log):
+      continue
     with open(log, errors="replace") as f:
       lines = f.read().splitlines()
     bad = [l for l in lines if l.startswith(("FAILED", "ERROR", "[gpu_run]"))]
@@ -472,7 +474,7 @@ def summary(d: str) -> None:
     # the "=" framing), which pytest still prints when interrupted by the step's timeout.
     closing = re.compile(r"\d+ (passed|failed|errors?|skipped|deselected)\b.* in [\d.]+s")
     tail = [l for l in lines if closing.search(l)]
-    print("tests:", tail[-1].strip("= ") if tail else "(no pytest closing line in gpu_tests.log)")
+    print(f"{what}:", tail[-1].strip("= ") if tail else f"(no pytest closing line in {name})")
     for l in bad[:20]:
       print("  " + l[:200])
     if len(bad) > 20:

@@ -12,7 +12,7 @@
 #   GDP_TEST_BUDGET (180), GDP_DECODE_BUDGET (180), GDP_PREFILL_BUDGET (150); GDP_TEST_WORKERS (6)
 #   test processes when pytest-xdist is there.
 # GDP_STEPS picks steps (default "tests,decode,prefill"; "stages" adds the per-stage prefill
-# breakdown); GDP_BENCH_ARGS is appended to both
+# breakdown, "notebooks" runs tests/test_notebooks.py with Jupyter from .whl/nb); GDP_BENCH_ARGS is appended to both
 # benchmark command lines (e.g. "--skip-fla", or "--cpu-smoke" to rehearse this script on a CPU
 # machine), GDP_DECODE_ARGS / GDP_PREFILL_ARGS to one (e.g. GDP_STEPS=decode
 # GDP_DECODE_ARGS="--parts copy,sweep" for a second call that only sweeps decode configs);
@@ -95,6 +95,22 @@ if [[ $STEPS == *,tests,* ]]; then
   echo "[gpu_run] $msg" >>"$OUT/gpu_tests.log"  # the summary reads it from there
   tail -n 60 "$OUT/gpu_tests.log"
   stamp "$msg"
+fi
+
+# 2b. (GDP_STEPS=...,notebooks) The notebooks top to bottom on the GPU (their kernels run through
+#     jax-triton there). The device has no Jupyter: `.whl/nb/` holds nbformat, nbclient, ipykernel
+#     and their dependencies as py3.12 wheels (see benchmarks/NOTES.md for the download command);
+#     they go into their own folder, last on the path, so they shadow nothing of jax or torch.
+if [[ $STEPS == *,notebooks,* ]]; then
+  stamp "notebooks (cap ${GDP_NOTEBOOK_BUDGET:-240}s)"
+  NB_SITE=/tmp/nbsite
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target "$NB_SITE" "$REPO"/.whl/nb/*.whl >>"$LOG" 2>&1 || stamp "installing .whl/nb failed"
+  PYTHONPATH="$PYTHONPATH:$NB_SITE" timeout -s INT -k 10 "${GDP_NOTEBOOK_BUDGET:-240}" \
+    python3 -m pytest -q -ra tests/test_notebooks.py >"$OUT/notebooks.log" 2>&1
+  rc=$?
+  tail -n 15 "$OUT/notebooks.log"
+  stamp "notebook tests exit $rc"
 fi
 
 # 3. + 4. Benchmarks. The scripts stop starting rows a margin before their cap (--budget-s) and
