@@ -11,6 +11,7 @@ k_r and q_t come from key head hv // (HV // H). Everything is computed in
 promote_types(v.dtype, float32) (float32, or float64 under float64 inputs); `o` is returned in
 v.dtype. Packed sequences are walked by one `lax.scan` over all T tokens with a per-token
 sequence id, so cu_seqlens and state_indices may be traced values (no host sync, static shapes).
+A dense batch without a shared cache is one such scan per sequence, vmapped (T steps, not B*T).
 """
 import jax
 import jax.numpy as jnp
@@ -202,6 +203,14 @@ def fused_recurrent_gated_delta_rule(q, k, v, g=None, beta=None, *, scale=None,
   """
   B, T, H, K = q.shape
   HV, V = v.shape[2], v.shape[3]
+  if _independent_rows(B, cu_seqlens, state, intermediate_states):
+    def one(q, k, v, g, beta, h0):
+      return fused_recurrent_gated_delta_rule(
+          *_one_row(q, k, v, g, beta), scale=scale, initial_state=_one_row(h0)[0],
+          output_final_state=output_final_state,
+          use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
+    o, fin = jax.vmap(one)(q, k, v, g, beta, initial_state)
+    return o[:, 0], (None if fin is None else fin[:, 0])
   if cu_seqlens is None:
     cu = jnp.arange(B + 1, dtype=jnp.int32) * T
   else:
@@ -220,6 +229,16 @@ def fused_recurrent_gated_delta_rule(q, k, v, g=None, beta=None, *, scale=None,
   if intermediate_states is not None:
     out = out + (inter,)
   return out
+
+
+def _independent_rows(B, cu_seqlens, state, intermediate_states):
+  """Dense rows that share no buffer are independent sequences: they can be vmapped."""
+  return B > 1 and cu_seqlens is None and state is None and intermediate_states is None
+
+
+def _one_row(*xs):
+  """Each array as a batch of one (None stays None): the per-row call of a vmapped batch."""
+  return tuple(None if x is None else x[None] for x in xs)
 
 
 def _chunk_states_dtype(chunk_states_dtype, state, initial_state, k):
@@ -271,6 +290,17 @@ def chunk_gated_delta_product(q, k, v, g=None, beta=None, *, num_householder, sc
   M = num_householder
   B, T, H, K = q.shape
   HV, V = v.shape[2], v.shape[3]
+  if _independent_rows(B, cu_seqlens, state, None):
+    cs_dtype = _chunk_states_dtype(chunk_states_dtype, state, initial_state, k)
+
+    def one(q, k, v, g, beta, h0):
+      return chunk_gated_delta_product(
+          *_one_row(q, k, v, g, beta), num_householder=M, scale=scale,
+          initial_state=_one_row(h0)[0], output_final_state=output_final_state,
+          use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+          return_chunk_states=return_chunk_states, chunk_states_dtype=cs_dtype)
+    out = jax.vmap(one)(q, k, v, g, beta, initial_state)
+    return tuple(None if x is None else x[:, 0] for x in out)
   BT_ = B * T
   if cu_seqlens is None:
     cu = jnp.arange(B + 1, dtype=jnp.int32) * T
