@@ -81,6 +81,11 @@ def stage_calls(pk, x, B, T, M, backend):
       "output": jax.jit(lambda q, k, vn, h, gu: pk._output(
           q, k, vn, h, gu, None, B, cu, desc_t, M=M, scale=K ** -0.5, out_dtype=x["v"].dtype,
           backend=backend)),
+      # Stages 5 and 6 in one kernel (FUSE_OUTPUT): compare with scan + output.
+      "scan_output": jax.jit(lambda k, w, u, gx, q, gu: pk._scan(
+          k, w, u, gx, cu, offsets, B * nc, M=M, h0=None, state_indices=None,
+          final_kind="dense", h_dtype=x["k"].dtype, snap_dtype=None, backend=backend,
+          fused=(q, gu, K ** -0.5, x["v"].dtype, False))),
   }
   return calls
 
@@ -91,10 +96,11 @@ def stage_args(calls, x):
   A = calls["kkt"](x["k"], x["beta"], gx)
   Ai = calls["solve"](A)
   w, u = calls["wy"](x["k"], x["v"], x["beta"], gx, Ai)
-  h, _, v_new, _ = calls["scan"](x["k"], w, u, gx)
+  h, _, v_new, _, _ = calls["scan"](x["k"], w, u, gx)
   args = {"cumsum": (x["g"],), "kkt": (x["k"], x["beta"], gx), "solve": (A,),
           "wy": (x["k"], x["v"], x["beta"], gx, Ai), "scan": (x["k"], w, u, gx),
-          "output": (x["q"], x["k"], v_new, h, gu)}
+          "output": (x["q"], x["k"], v_new, h, gu),
+          "scan_output": (x["k"], w, u, gx, x["q"], gu)}
   return args
 
 
@@ -172,11 +178,13 @@ def main() -> int:
       args = stage_args(calls, x)
       times = {s: common.time_jax(lambda s=s: calls[s](*args[s]))["ms"] for s in calls}
       row.update({f"{s}_ms": t for s, t in times.items()})
+      fused = times.pop("scan_output")  # an alternative to scan + output, not a stage
       total = sum(times.values())
       row["sum_ms"] = total
       print(f"[stages] B={B} T={T} H={H} HV={HV} K={K} V={V} M={M}: "
             + ", ".join(f"{s} {t:.3f} ms ({t / total:.0%})" for s, t in times.items())
-            + f"; sum {total:.3f} ms", flush=True)
+            + f"; sum {total:.3f} ms; scan with the output fused {fused:.3f} ms against "
+            f"scan + output {times['scan'] + times['output']:.3f} ms", flush=True)
       if a.fla and not a.cpu_smoke:
         try:
           ft = fla_stage_times(x, B, T, M)
@@ -216,7 +224,8 @@ def main() -> int:
     common.run_row(res, "stages", row, body, budget, margin=30)
   common.print_table("prefill stages (ms)", res.data["sections"].get("stages", []),
                      [(c, c, ".3f") for c in ("cumsum_ms", "kkt_ms", "solve_ms", "wy_ms",
-                                              "scan_ms", "output_ms", "sum_ms")])
+                                              "scan_ms", "output_ms", "sum_ms",
+                                              "scan_output_ms")])
   common.print_table("fla-core stages (ms)", res.data["sections"].get("stages", []),
                      [(c, c, ".3f") for c in ("fla_cumsum_ms", "fla_kkt_ms", "fla_solve_ms",
                                               "fla_wy_ms", "fla_scan_ms", "fla_output_ms",

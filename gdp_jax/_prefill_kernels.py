@@ -73,6 +73,12 @@ class _PrefillConfig:
   # in shared memory: 3 stages need 287 KB at K=256 (over the H200's 227 KB; compiled with
   # triton 3.6 on the device and 3.9 here), 2 stages 148 KB.
   h_stages_f32: int = 2
+  # Stage 6 fused into stage 5 (kernels/chunk_h.py, FUSE_OUTPUT): saves writing and reading h
+  # and v_new (about 1.6 GB at B=8 T=4096 H=32, benchmarks/NOTES.md) and a launch, but adds two
+  # dots per expanded chunk to the scan's sequential chain. Not timed yet: "off" until the
+  # benchmark (`prefill.py`, its fused column) says where it wins.
+  fuse_output: str = "off"
+  fuse_min_programs: int = 264
   # Stage 6: 64 x 128 output tiles, K in 128-wide slices, 4 warps: 0.091 against 0.17 ms
   # (8 warps, 64 x 64, BK 64) at B=4 H=16, 0.68 against 1.48 ms at B=8 H=32.
   o_bk: int = 128
@@ -90,6 +96,18 @@ def _h_block_v(cfg: _PrefillConfig, N: int, HV: int, K: int, V: int) -> int:
   if N * HV * -(-V // cfg.h_bv_wide) < cfg.h_min_programs:
     return cfg.h_bv_narrow
   return cfg.h_bv_wide
+
+
+def _fuse_output(cfg: _PrefillConfig, N: int, HV: int, K: int, V: int) -> bool:
+  """Stage 6 inside the scan: "on", "off", or "auto" (enough scan programs to fill the GPU,
+  since the fusion lengthens each program's sequential chain). Never for K > 128: four state
+  tiles plus the output tile need 287 KB of shared memory on float32 inputs
+  (tests/test_sm90_compile.py), over an H200 block's 227 KB."""
+  if K > 128:
+    return False
+  if cfg.fuse_output == "auto":
+    return N * HV * -(-V // _h_block_v(cfg, N, HV, K, V)) >= cfg.fuse_min_programs
+  return cfg.fuse_output == "on"
 
 
 def _dense_descriptors(B: int, L: int) -> np.ndarray:
@@ -170,8 +188,8 @@ def _wy(k, v, beta, gx, Ai, cu, desc, *, M, backend):
 
 
 def _scan(k, w, u, gx, cu, offsets, n_rows, *, M, h0, state_indices, final_kind,
-          h_dtype, snap_dtype, backend):
-  """Stage 5: the inter-chunk scan.
+          h_dtype, snap_dtype, backend, fused=None):
+  """Stage 5: the inter-chunk scan; with `fused`, stage 6 as well.
 
   Args:
     k, w, u: [T*M, H, K], [T*M, HV, K], [T*M, HV, V].
@@ -184,19 +202,23 @@ def _scan(k, w, u, gx, cu, offsets, n_rows, *, M, h0, state_indices, final_kind,
     final_kind: "none", "dense" ([N, HV, K, V] float32) or "cache".
     h_dtype: dtype of the chunk states read by stage 6.
     snap_dtype: dtype of a second copy of the chunk states, or None for no copy.
+    fused: None, or (q [T, H, K], gu [T, HV] or None, scale, out_dtype, store_h) to compute
+      the output inside the scan; h is then written only when store_h.
 
   Returns:
-    (h, h_snap or None, v_new, final or None).
+    (h or None, h_snap or None, v_new or None, final or None, o or None).
   """
   TM, H, K = k.shape
   _, HV, V = u.shape
   N = cu.shape[0] - 1
+  T = TM // M
   bv = _h_block_v(CONFIG, N, HV, K, V)
+  store_h = fused is None or fused[4]
   out_shape = [
-      jax.ShapeDtypeStruct((n_rows, HV, K, V), h_dtype),
+      jax.ShapeDtypeStruct((n_rows, HV, K, V) if store_h else (1,), h_dtype),
       jax.ShapeDtypeStruct((n_rows, HV, K, V) if snap_dtype is not None else (1,),
                            snap_dtype if snap_dtype is not None else jnp.float32),
-      jax.ShapeDtypeStruct((TM, HV, V), k.dtype),
+      jax.ShapeDtypeStruct((TM, HV, V) if fused is None else (1,), k.dtype),
   ]
   aliases = None
   if final_kind == "cache":
@@ -206,14 +228,21 @@ def _scan(k, w, u, gx, cu, offsets, n_rows, *, M, h0, state_indices, final_kind,
     out_shape.append(jax.ShapeDtypeStruct((N, HV, K, V), jnp.float32))
   else:
     out_shape.append(jax.ShapeDtypeStruct((1,), jnp.float32))
+  if fused is not None:
+    q, gu, scale, out_dtype, _ = fused
+    out_shape.append(jax.ShapeDtypeStruct((T, HV, V), out_dtype))
+  else:
+    q, gu, scale = _launch.placeholder(k.dtype), None, 1.0
+    out_shape.append(jax.ShapeDtypeStruct((1,), jnp.float32))
   S = h0.shape[0] if h0 is not None else N
-  h, h_snap, v_new, ht = _launch.call(
+  h, h_snap, v_new, ht, o = _launch.call(
       "chunk_h.chunk_h_fwd_kernel", k, w, u,
       gx if gx is not None else _launch.placeholder(),
       h0 if h0 is not None else _launch.placeholder(),
       state_indices if state_indices is not None else _launch.placeholder(jnp.int32),
       cu, offsets,
       HV * K * V, K * V, S,
+      q, gu if gu is not None else _launch.placeholder(), float(scale),
       grid=(N * HV, -(-V // bv)),
       out_shape=out_shape,
       input_output_aliases=aliases,
@@ -222,9 +251,11 @@ def _scan(k, w, u, gx, cu, offsets, n_rows, *, M, h0, state_indices, final_kind,
       H=H, HV=HV, K=K, V=V, M=M, BT=BT, BV=bv,
       USE_G=gx is not None, USE_INITIAL_STATE=h0 is not None,
       STORE_FINAL_STATE=final_kind != "none", HAS_STATE_INDICES=state_indices is not None,
-      STORE_SNAPSHOT=snap_dtype is not None, DOT_PRECISION=_dot_precision(k.dtype))
-  return (h, h_snap if snap_dtype is not None else None, v_new,
-          ht if final_kind != "none" else None)
+      STORE_SNAPSHOT=snap_dtype is not None, FUSE_OUTPUT=fused is not None,
+      STORE_CHECKPOINTS=store_h, DOT_PRECISION=_dot_precision(k.dtype))
+  return (h if store_h else None, h_snap if snap_dtype is not None else None,
+          v_new if fused is None else None, ht if final_kind != "none" else None,
+          o if fused is not None else None)
 
 
 def _output(q, k, v_new, h, gu, state_indices, S, cu, desc, *, M, scale, out_dtype, backend):
@@ -351,13 +382,18 @@ def _chunk_gated_delta_product_fwd(
       h_dtype = want
     else:
       snap_dtype = want
-  h, h_snap, v_new, final = _scan(
+  fused = None
+  if _fuse_output(CONFIG, N, HV, K, V):
+    fused = (q, gu, scale, out_dtype, return_chunk_states)
+  h, h_snap, v_new, final, o = _scan(
       k, w, u, gx, cu, offsets, n_rows, M=M, h0=h0, state_indices=state_indices,
-      final_kind=final_kind, h_dtype=h_dtype, snap_dtype=snap_dtype, backend=backend)
+      final_kind=final_kind, h_dtype=h_dtype, snap_dtype=snap_dtype, backend=backend,
+      fused=fused)
 
-  S = state.shape[0] if state is not None else N
-  o = _output(q, k, v_new, h, gu, state_indices, S, cu, desc_t, M=M, scale=scale,
-              out_dtype=out_dtype, backend=backend)
+  if fused is None:
+    S = state.shape[0] if state is not None else N
+    o = _output(q, k, v_new, h, gu, state_indices, S, cu, desc_t, M=M, scale=scale,
+                out_dtype=out_dtype, backend=backend)
 
   if cu_seqlens is not None:
     # Tokens past cu_seqlens[N] belong to no sequence and no program writes them (§5.4); a

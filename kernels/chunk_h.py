@@ -25,6 +25,20 @@ at row state_indices[n]. A slot outside [0, S) is padding: the program reads not
 final state, writes zero checkpoints and skips the scan (its v_new rows are left unwritten; stage
 6 zeroes the output of such a sequence without reading them).
 
+With FUSE_OUTPUT the program also computes stage 6 for its BV columns while it has the state
+in registers (ALGORITHM.md §4.8), so h and v_new need not go through memory:
+
+    at e % M == 0 (token chunk c = e / M begins, S is its entering state):
+        O = 2^Gu[tokens] * (Q_c @ S)                        # [64 tokens, BV]
+    for each expanded chunk e of token chunk c, after D = u - w @ S (before the decay):
+        A[t, i] = <q_t, k_r> * 2^(Gu_t - Gu_t')  for row r = e*64 + i of token t' <= t, else 0
+        O += A @ D                                          # A and D in the input dtype
+    after the last expanded chunk of c:  o[tokens, columns] = scale * O
+
+It is the same arithmetic as chunk_o (h and v_new rounded to the input dtype before the dots),
+summed over expanded chunks instead of Householder copies. h is then stored only for
+STORE_CHECKPOINTS (chunk states asked for) and v_new not at all.
+
 Grid: (N * HV, ceil(V / BV)). Program (i_nh, i_v) owns sequence i_nh // HV, value head
 i_nh % HV, columns i_v*BV .. i_v*BV + BV - 1. N * HV sits on axis 0, which has no 65535 cap.
 
@@ -90,6 +104,9 @@ def chunk_h_fwd_kernel(
     stride_s,       # elements between rows (sequences or slots) of h0 and ht
     stride_hv,      # elements between heads of h0 and ht; the [K, V] part is contiguous
     S,              # slots of the cache: a slot outside [0, S) is padding
+    q,              # [T, H, K] queries (FUSE_OUTPUT; else a placeholder)
+    g_tok,          # [T, HV] float32 Gu, token-stream log2 cumsum (FUSE_OUTPUT and USE_G)
+    scale,          # float32 query scale (FUSE_OUTPUT)
     # outputs
     h,              # [NCR, HV, K, V] entering state of every token chunk, read by stage 6
     h_snap,         # [NCR, HV, K, V] the same in the chunk_states dtype (placeholder unless
@@ -97,6 +114,7 @@ def chunk_h_fwd_kernel(
     v_new,          # [T*M, HV, V] input dtype
     ht,             # final state: [N, HV, K, V] float32 or the cache (aliased to h0);
                     # placeholder unless STORE_FINAL_STATE
+    o,              # [T, HV, V] output in v's dtype (FUSE_OUTPUT; else a placeholder)
     # sizes
     H: tl.constexpr,
     HV: tl.constexpr,
@@ -111,6 +129,8 @@ def chunk_h_fwd_kernel(
     STORE_FINAL_STATE: tl.constexpr,
     HAS_STATE_INDICES: tl.constexpr,
     STORE_SNAPSHOT: tl.constexpr,
+    FUSE_OUTPUT: tl.constexpr,
+    STORE_CHECKPOINTS: tl.constexpr,  # write h (always without FUSE_OUTPUT)
     DOT_PRECISION: tl.constexpr,  # "ieee" for float32 inputs, else the tensor-core default
 ):
   i_nh, i_v = tl.program_id(0), tl.program_id(1)
@@ -141,11 +161,18 @@ def chunk_h_fwd_kernel(
     # checkpoints are defined as zeros.
     if (i_s < 0) | (i_s >= S):
       for i_c in range(0, n_c):
-        p_h = h + ((c0 + i_c) * HV + i_hv) * (K * V)
-        _store_state(p_h, b_h1, b_h2, b_h3, b_h4, o_k, o_v, mask_v, K, V)
+        if STORE_CHECKPOINTS:
+          p_h = h + ((c0 + i_c) * HV + i_hv) * (K * V)
+          _store_state(p_h, b_h1, b_h2, b_h3, b_h4, o_k, o_v, mask_v, K, V)
         if STORE_SNAPSHOT:
           p_hs = h_snap + ((c0 + i_c) * HV + i_hv) * (K * V)
           _store_state(p_hs, b_h1, b_h2, b_h3, b_h4, o_k, o_v, mask_v, K, V)
+        if FUSE_OUTPUT:
+          # A padding sequence's output is zero, whatever its length.
+          o_t = i_c * BT + tl.arange(0, BT)
+          m_tv = (o_t < eos - bos)[:, None] & mask_v[None, :]
+          tl.store(o + (bos + o_t)[:, None] * (HV * V) + i_hv * V + o_v[None, :],
+                   tl.zeros([BT, BV], dtype=tl.float32).to(o.dtype.element_ty), mask=m_tv)
       return
   else:
     i_s = i_n.to(tl.int64)
@@ -162,14 +189,39 @@ def chunk_h_fwd_kernel(
 
   p_w = w + i_hv * K
   p_k = k + i_h * K
+  p_q = q + i_h * K
+  o_t = tl.arange(0, BT)  # token offsets of the current token chunk (FUSE_OUTPUT)
+  mask_t = o_t < 0
+  b_gu = tl.zeros([BT], dtype=tl.float32)
+  b_o = tl.zeros([BT, BV], dtype=tl.float32)
   for i_e in range(0, n_x):
     if i_e % M == 0:
       # Every M-th expanded chunk starts a token chunk (64cM is row 64c*M).
-      p_h = h + ((c0 + i_e // M) * HV + i_hv) * (K * V)
-      _store_state(p_h, b_h1, b_h2, b_h3, b_h4, o_k, o_v, mask_v, K, V)
+      if STORE_CHECKPOINTS:
+        p_h = h + ((c0 + i_e // M) * HV + i_hv) * (K * V)
+        _store_state(p_h, b_h1, b_h2, b_h3, b_h4, o_k, o_v, mask_v, K, V)
       if STORE_SNAPSHOT:
         p_hs = h_snap + ((c0 + i_e // M) * HV + i_hv) * (K * V)
         _store_state(p_hs, b_h1, b_h2, b_h3, b_h4, o_k, o_v, mask_v, K, V)
+      if FUSE_OUTPUT:
+        # int32 like the initial value (a loop-carried tensor keeps its type); i_e is int64.
+        o_t = (tl.arange(0, BT) + (i_e // M) * BT).to(tl.int32)
+        mask_t = o_t < eos - bos
+        tok = bos + o_t
+        b_q = _row_tile(p_q, tok, mask_t, 0, o_k, H * K, K)
+        b_o = tl.dot(b_q, b_h1.to(b_q.dtype), input_precision=DOT_PRECISION)
+        if K > 64:
+          b_q = _row_tile(p_q, tok, mask_t, 1, o_k, H * K, K)
+          b_o += tl.dot(b_q, b_h2.to(b_q.dtype), input_precision=DOT_PRECISION)
+        if K > 128:
+          b_q = _row_tile(p_q, tok, mask_t, 2, o_k, H * K, K)
+          b_o += tl.dot(b_q, b_h3.to(b_q.dtype), input_precision=DOT_PRECISION)
+        if K > 192:
+          b_q = _row_tile(p_q, tok, mask_t, 3, o_k, H * K, K)
+          b_o += tl.dot(b_q, b_h4.to(b_q.dtype), input_precision=DOT_PRECISION)
+        if USE_G:
+          b_gu = tl.load(g_tok + tok * HV + i_hv, mask=mask_t, other=0.)
+          b_o = b_o * tl.exp2(b_gu)[:, None]
 
     o_r = i_e * BT + tl.arange(0, BT)
     mask_r = o_r < len_x
@@ -189,8 +241,39 @@ def chunk_h_fwd_kernel(
     m_rv = mask_r[:, None] & mask_v[None, :]
     off_v = row[:, None] * (HV * V) + i_hv * V + o_v[None, :]
     b_v = tl.load(u + off_v, mask=m_rv, other=0.).to(tl.float32) - b_wh
-    # Stored before the decay scaling below: stage 6 applies its own decays.
-    tl.store(v_new + off_v, b_v.to(v_new.dtype.element_ty), mask=m_rv)
+    if FUSE_OUTPUT:
+      # Rows of this expanded chunk against the tokens of its token chunk: row i belongs to
+      # token (e % M * 64 + i) // M of the chunk.
+      r_tok = ((i_e % M) * BT + tl.arange(0, BT)) // M
+      b_A = tl.dot(_row_tile(p_q, bos + o_t, mask_t, 0, o_k, H * K, K),
+                   _row_tile_t(p_k, row, mask_r, 0, o_k, H * K, K), input_precision=DOT_PRECISION)
+      if K > 64:
+        b_A += tl.dot(_row_tile(p_q, bos + o_t, mask_t, 1, o_k, H * K, K),
+                      _row_tile_t(p_k, row, mask_r, 1, o_k, H * K, K),
+                      input_precision=DOT_PRECISION)
+      if K > 128:
+        b_A += tl.dot(_row_tile(p_q, bos + o_t, mask_t, 2, o_k, H * K, K),
+                      _row_tile_t(p_k, row, mask_r, 2, o_k, H * K, K),
+                      input_precision=DOT_PRECISION)
+      if K > 192:
+        b_A += tl.dot(_row_tile(p_q, bos + o_t, mask_t, 3, o_k, H * K, K),
+                      _row_tile_t(p_k, row, mask_r, 3, o_k, H * K, K),
+                      input_precision=DOT_PRECISION)
+      m_A = ((o_t - (i_e // M) * BT)[:, None] >= r_tok[None, :]) & mask_t[:, None] & mask_r[None, :]
+      if USE_G:
+        b_gr = tl.load(g_tok + (bos + (i_e // M) * BT + r_tok) * HV + i_hv, mask=mask_r, other=0.)
+        # A select, not a product: above the diagonal the exponent may overflow to inf.
+        b_A = b_A * tl.where(m_A, tl.exp2(b_gu[:, None] - b_gr[None, :]), 0.)
+      b_A = tl.where(m_A, b_A, 0.)
+      b_d = b_v.to(k.dtype.element_ty)  # v_new as chunk_o would read it back
+      b_o += tl.dot(b_A.to(b_d.dtype), b_d, input_precision=DOT_PRECISION)
+      if ((i_e % M) == M - 1) | (i_e == n_x - 1):
+        p_o = o + (bos + o_t)[:, None] * (HV * V) + i_hv * V + o_v[None, :]
+        tl.store(p_o, (scale * b_o).to(o.dtype.element_ty),
+                 mask=mask_t[:, None] & mask_v[None, :])
+    else:
+      # Stored before the decay scaling below: stage 6 applies its own decays.
+      tl.store(v_new + off_v, b_v.to(v_new.dtype.element_ty), mask=m_rv)
 
     if USE_G:
       i_last = tl.minimum(i_e * BT + BT, len_x) - 1

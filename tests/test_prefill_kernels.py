@@ -203,14 +203,21 @@ def check_prefill(c: Case, backend, seed=0):
     assert_close("chunk_states", ref[2], cs, cs_tol)
 
 
+@pytest.fixture(params=["off", "on"], ids=["output", "fused_output"])
+def fuse_output(request, monkeypatch):
+  """Stage 6 as its own kernel, and fused into the scan (kernels/chunk_h.py, FUSE_OUTPUT)."""
+  monkeypatch.setattr(pk, "CONFIG", dataclasses.replace(pk.CONFIG, fuse_output=request.param))
+  return request.param
+
+
 @pytest.mark.parametrize("c", CASES, ids=lambda c: c.id)
-def test_prefill(c):
+def test_prefill(c, fuse_output):
   check_prefill(c, KERNEL_BACKEND)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("c", GPU_CASES, ids=lambda c: c.id)
-def test_prefill_gpu(c):
+def test_prefill_gpu(c, fuse_output):
   check_prefill(c, "triton", seed=1)
 
 
@@ -316,8 +323,9 @@ def test_stages(lens, M, K, dtype):
       assert_close("w", ref_w, w_np[r0:r0 + n, hv], stored_tol)
 
   # Stage 5, from the kernel's w and u: checkpoints, v_new, final state.
-  h, _, v_new, ht = pk._scan(k, w, u, gx, cu, offs, n_t, M=M, h0=h0, state_indices=None,
-                             final_kind="dense", h_dtype=jnp.float32, snap_dtype=None, backend=be)
+  h, _, v_new, ht, _ = pk._scan(k, w, u, gx, cu, offs, n_t, M=M, h0=h0, state_indices=None,
+                                final_kind="dense", h_dtype=jnp.float32, snap_dtype=None,
+                                backend=be)
   h_np, vn_np = _f(h), _f(v_new)
   for n in range(N):
     S = _f(h0[n]).copy()

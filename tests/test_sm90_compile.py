@@ -23,8 +23,10 @@ import sys
 SM90_MAX_SHARED = 232448
 
 # (what, dtype, K, V): the largest head sizes the kernels support and the common one.
+# "prefill_fused": stage 6 inside the scan (_PrefillConfig.fuse_output = "on"; K <= 128 only).
 CASES = [("prefill", "bfloat16", 256, 512), ("prefill", "float32", 256, 512),
-         ("prefill", "bfloat16", 128, 128), ("decode", "bfloat16", 256, 512),
+         ("prefill", "bfloat16", 128, 128), ("prefill_fused", "bfloat16", 128, 128),
+         ("prefill_fused", "float32", 128, 512), ("decode", "bfloat16", 256, 512),
          ("decode", "float32", 256, 512)]
 
 
@@ -33,7 +35,8 @@ def _record_launches(what, dtype, K, V):
   import jax
   import jax.numpy as jnp
   import gdp_jax
-  from gdp_jax import _backends, _launch
+  import dataclasses
+  from gdp_jax import _backends, _launch, _prefill_kernels
 
   launches = []
 
@@ -48,7 +51,9 @@ def _record_launches(what, dtype, K, V):
   H, HV, M, S = 2, 4, 2, 8
   f32 = jnp.float32
   sds = jax.ShapeDtypeStruct
-  if what == "prefill":
+  _prefill_kernels.CONFIG = dataclasses.replace(
+      _prefill_kernels.CONFIG, fuse_output="on" if what == "prefill_fused" else "off")
+  if what.startswith("prefill"):
     T = 300
     args = (sds((1, T, H, K), dt), sds((1, T * M, H, K), dt), sds((1, T * M, HV, V), dt),
             sds((1, T, HV), f32), sds((1, T * M, HV), f32), sds((S, HV, K, V), f32),
@@ -117,7 +122,8 @@ def main():
                               target=GPUTarget("cuda", 90, 32),
                               options=dict(num_warps=warps, num_stages=stages))
       report.append(dict(case=list(case), kernel=fn.__name__, num_warps=warps,
-                         num_stages=stages, shared=kernel.metadata.shared))
+                         num_stages=stages, shared=kernel.metadata.shared,
+                         fused=bool(consts.get("FUSE_OUTPUT", False))))
   print(json.dumps(report))
 
 
@@ -133,6 +139,7 @@ def test_every_launch_fits_sm90_shared_memory():
   assert {"chunk_cumsum_fwd_kernel", "chunk_kkt_fwd_kernel", "chunk_solve_fwd_kernel",
           "chunk_wy_fwd_kernel", "chunk_h_fwd_kernel", "chunk_o_fwd_kernel"} <= kernels, kernels
   assert any("decode" in k or "recurrent" in k for k in kernels), kernels
+  assert any(r["fused"] for r in report), "the fused scan + output was not compiled"
   over = [r for r in report if r["shared"] > SM90_MAX_SHARED]
   assert not over, f"over the {SM90_MAX_SHARED} bytes of an sm_90 block: {over}"
 
