@@ -96,7 +96,8 @@ def versions() -> dict:
     info["device"] = str(jax.devices()[0].device_kind)
   except Exception as e:
     info["device"] = f"unknown ({e})"
-  for name in ("XLA_PYTHON_CLIENT_MEM_FRACTION", "TRITON_CACHE_DIR", "FLA_CACHE_RESULTS"):
+  for name in ("XLA_PYTHON_CLIENT_MEM_FRACTION", "TRITON_CACHE_DIR", "FLA_CACHE_RESULTS",
+               "XLA_FLAGS", "GDP_TRITON_CALL_TARGET"):
     info[name] = os.environ.get(name)
   return info
 

@@ -58,6 +58,9 @@ def parse_args():
                       "for a second call that only sweeps)")
   p.add_argument("--shapes", default=None,
                  help="main-table rows as NxHVxD[xS] items, comma-separated (default: all)")
+  p.add_argument("--call-target", choices=("legacy", "ffi"), default=None,
+                 help="custom call our kernels lower to (GDP_TRITON_CALL_TARGET; 'ffi' can be "
+                      "captured into XLA command buffers)")
   p.add_argument("--gdp-kernel", choices=("fold", "native"), default=None,
                  help="kernel behind gated_delta_product_decode (gdp_jax._configs."
                       "GDP_DECODE_KERNEL); default: the library's")
@@ -342,6 +345,8 @@ MAIN_COLS = [
 
 def main():
   args = parse_args()
+  if args.call_target:
+    os.environ["GDP_TRITON_CALL_TARGET"] = args.call_target  # read when jax_triton is imported
   common.setup_env(args.cpu_smoke)
   out = common.out_dir(args.out)
   budget = common.Budget(args.budget_s)

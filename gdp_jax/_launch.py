@@ -17,7 +17,12 @@ Every quirk of jax-triton 0.3.1 lives here and nowhere else:
   call), and an aliased buffer reaches the kernel twice: once among the inputs, once among the
   outputs (0.4 passes it once and renamed `out_shape`; we pin <0.4 until that is tested);
 * importing it sets TRITON_CACHE_DIR to "", which breaks Triton kernels launched from torch in
-  the same process (the side-by-side benchmarks): the variable is put back after the import.
+  the same process (the side-by-side benchmarks): the variable is put back after the import;
+* it emits the legacy custom call `triton_kernel_call`, which XLA cannot capture into a CUDA
+  graph (command buffer), so every kernel of a jitted decode loop is a separate host launch.
+  Newer jaxlibs also register `triton_kernel_call_ffi`, the same serialized kernel call as an
+  FFI attribute, which can be captured. With GDP_TRITON_CALL_TARGET=ffi in the environment
+  (read at the first launch) our kernels lower to that target instead (0.4 does this itself). Opt-in: not yet measured on the GPU (benchmarks/NOTES.md).
 """
 from __future__ import annotations
 
@@ -142,7 +147,11 @@ def _no_launch(args, out_shape, aliases):
                for j, s in enumerate(out_shape))
 
 
+_CALL_TARGET = None  # the custom call target chosen at the first launch
+
+
 def _jax_triton_module():
+  global _CALL_TARGET
   if "jax_triton" not in sys.modules:
     before = os.environ.get("TRITON_CACHE_DIR")
     import jax_triton  # imports only where jax has GPU support
@@ -150,7 +159,53 @@ def _jax_triton_module():
       os.environ.pop("TRITON_CACHE_DIR", None)
     else:
       os.environ["TRITON_CACHE_DIR"] = before
+  if _CALL_TARGET is None:
+    target = os.environ.get("GDP_TRITON_CALL_TARGET", "legacy")
+    if target == "ffi":
+      _lower_to_ffi_target(sys.modules["jax_triton.triton_lib"])
+    elif target != "legacy":
+      raise ValueError(f"GDP_TRITON_CALL_TARGET: expected 'legacy' or 'ffi', got {target!r}")
+    _CALL_TARGET = target
   return sys.modules["jax_triton"]
+
+
+_FFI_LOCK = threading.Lock()
+
+
+def _lower_to_ffi_target(triton_lib):
+  """Re-registers jax_triton 0.3.1's CUDA lowering so that it emits `triton_kernel_call_ffi`.
+
+  Its lowering builds the serialized kernel call and hands it to
+  `jax.ffi.ffi_lowering("triton_kernel_call", api_version=2, backend_config=...)`; the FFI
+  target takes the same bytes as the `opaque` attribute of an api_version=4 call. Only the name
+  `jax` inside jax_triton.triton_lib is swapped, for the duration of one lowering.
+  """
+  import functools
+  from jax.interpreters import mlir
+
+  def ffi_lowering(name, *, api_version, backend_config, operand_output_aliases):
+    del name, api_version
+    rule = jax.ffi.ffi_lowering("triton_kernel_call_ffi", api_version=4,
+                                operand_output_aliases=operand_output_aliases)
+    return lambda ctx, *args: rule(ctx, *args, opaque=backend_config)
+
+  class _Jax:  # the real jax, but for jax.ffi.ffi_lowering
+    ffi = type("ffi", (), {"ffi_lowering": staticmethod(ffi_lowering)})
+
+    def __getattr__(self, name):
+      return getattr(jax, name)
+
+  legacy = functools.partial(triton_lib.triton_kernel_call_lowering, triton_lib.get_cuda_backend)
+
+  def lowering(ctx, *args, **params):
+    with _FFI_LOCK:
+      saved, triton_lib.jax = triton_lib.jax, _Jax()
+      try:
+        return legacy(ctx, *args, **params)
+      finally:
+        triton_lib.jax = saved
+
+  mlir.register_lowering(triton_lib.triton_kernel_call_p, lowering, platform="cuda")
 
 
 def _jax_triton(kernel, args, grid, out_shape, aliases, num_warps, num_stages, constexprs):
