@@ -41,6 +41,8 @@ def parse_args():
   p.add_argument("--out", default=None, help="output folder (default $OUT or ./bench_out)")
   p.add_argument("--skip-fla", action="store_true")
   p.add_argument("--skip-ref", action="store_true", help="skip the reference timings")
+  p.add_argument("--rows", default=None,
+                 help="comma-separated row numbers of the table (default: all)")
   return p.parse_args()
 
 
@@ -250,6 +252,8 @@ def main():
   else:
     shapes = [(4, 2048, 16, 128, 128, 2), (4, 2048, 16, 128, 128, 3), (1, 8192, 16, 128, 128, 2),
               (8, 4096, 32, 128, 128, 2), (4, 2048, 6, 256, 512, 2)]
+  if args.rows:
+    shapes = [shapes[int(i)] for i in args.rows.split(",")]
   rows = []
   try:
     try:
