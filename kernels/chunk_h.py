@@ -91,6 +91,40 @@ def _row_tile_t(p, row, mask_r, i_t, o_k, STRIDE: tl.constexpr, K: tl.constexpr)
 
 
 @triton.jit
+def _rows_dot_state(p, row, mask_r, b_h1, b_h2, b_h3, b_h4, o_k, STRIDE: tl.constexpr,
+                    K: tl.constexpr, DOT_PRECISION: tl.constexpr):
+  """Rows `row` of a row-major [*, STRIDE] array (their first K columns) times the [K, BV] state
+  held as 64-row tiles, the state rounded to the rows' dtype: [BT, BV] float32."""
+  b_x = _row_tile(p, row, mask_r, 0, o_k, STRIDE, K)
+  acc = tl.dot(b_x, b_h1.to(b_x.dtype), input_precision=DOT_PRECISION)
+  if K > 64:
+    b_x = _row_tile(p, row, mask_r, 1, o_k, STRIDE, K)
+    acc += tl.dot(b_x, b_h2.to(b_x.dtype), input_precision=DOT_PRECISION)
+  if K > 128:
+    b_x = _row_tile(p, row, mask_r, 2, o_k, STRIDE, K)
+    acc += tl.dot(b_x, b_h3.to(b_x.dtype), input_precision=DOT_PRECISION)
+  if K > 192:
+    b_x = _row_tile(p, row, mask_r, 3, o_k, STRIDE, K)
+    acc += tl.dot(b_x, b_h4.to(b_x.dtype), input_precision=DOT_PRECISION)
+  return acc
+
+
+@triton.jit
+def _rows_dot_rows(p_a, row_a, mask_a, p_b, row_b, mask_b, o_k, STRIDE_A: tl.constexpr,
+                   STRIDE_B: tl.constexpr, K: tl.constexpr, DOT_PRECISION: tl.constexpr):
+  """<a_i, b_j> over the first K columns of rows row_a of one array and row_b of another."""
+  acc = tl.dot(_row_tile(p_a, row_a, mask_a, 0, o_k, STRIDE_A, K),
+               _row_tile_t(p_b, row_b, mask_b, 0, o_k, STRIDE_B, K),
+               input_precision=DOT_PRECISION)
+  for i_t in tl.static_range(1, 4):
+    if K > 64 * i_t:
+      acc += tl.dot(_row_tile(p_a, row_a, mask_a, i_t, o_k, STRIDE_A, K),
+                    _row_tile_t(p_b, row_b, mask_b, i_t, o_k, STRIDE_B, K),
+                    input_precision=DOT_PRECISION)
+  return acc
+
+
+@triton.jit
 def chunk_h_fwd_kernel(
     # inputs
     k,              # [T*M, H, K] expanded-stream keys
@@ -208,17 +242,8 @@ def chunk_h_fwd_kernel(
         o_t = (tl.arange(0, BT) + (i_e // M) * BT).to(tl.int32)
         mask_t = o_t < eos - bos
         tok = bos + o_t
-        b_q = _row_tile(p_q, tok, mask_t, 0, o_k, H * K, K)
-        b_o = tl.dot(b_q, b_h1.to(b_q.dtype), input_precision=DOT_PRECISION)
-        if K > 64:
-          b_q = _row_tile(p_q, tok, mask_t, 1, o_k, H * K, K)
-          b_o += tl.dot(b_q, b_h2.to(b_q.dtype), input_precision=DOT_PRECISION)
-        if K > 128:
-          b_q = _row_tile(p_q, tok, mask_t, 2, o_k, H * K, K)
-          b_o += tl.dot(b_q, b_h3.to(b_q.dtype), input_precision=DOT_PRECISION)
-        if K > 192:
-          b_q = _row_tile(p_q, tok, mask_t, 3, o_k, H * K, K)
-          b_o += tl.dot(b_q, b_h4.to(b_q.dtype), input_precision=DOT_PRECISION)
+        b_o = _rows_dot_state(p_q, tok, mask_t, b_h1, b_h2, b_h3, b_h4, o_k, H * K, K,
+                              DOT_PRECISION)
         if USE_G:
           b_gu = tl.load(g_tok + tok * HV + i_hv, mask=mask_t, other=0.)
           b_o = b_o * tl.exp2(b_gu)[:, None]
@@ -226,17 +251,8 @@ def chunk_h_fwd_kernel(
     o_r = i_e * BT + tl.arange(0, BT)
     mask_r = o_r < len_x
     row = bos_x + o_r
-    b_w = _row_tile(p_w, row, mask_r, 0, o_k, HV * K, K)
-    b_wh = tl.dot(b_w, b_h1.to(b_w.dtype), input_precision=DOT_PRECISION)
-    if K > 64:
-      b_w = _row_tile(p_w, row, mask_r, 1, o_k, HV * K, K)
-      b_wh += tl.dot(b_w, b_h2.to(b_w.dtype), input_precision=DOT_PRECISION)
-    if K > 128:
-      b_w = _row_tile(p_w, row, mask_r, 2, o_k, HV * K, K)
-      b_wh += tl.dot(b_w, b_h3.to(b_w.dtype), input_precision=DOT_PRECISION)
-    if K > 192:
-      b_w = _row_tile(p_w, row, mask_r, 3, o_k, HV * K, K)
-      b_wh += tl.dot(b_w, b_h4.to(b_w.dtype), input_precision=DOT_PRECISION)
+    b_wh = _rows_dot_state(p_w, row, mask_r, b_h1, b_h2, b_h3, b_h4, o_k, HV * K, K,
+                           DOT_PRECISION)
 
     m_rv = mask_r[:, None] & mask_v[None, :]
     off_v = row[:, None] * (HV * V) + i_hv * V + o_v[None, :]
@@ -245,20 +261,8 @@ def chunk_h_fwd_kernel(
       # Rows of this expanded chunk against the tokens of its token chunk: row i belongs to
       # token (e % M * 64 + i) // M of the chunk.
       r_tok = ((i_e % M) * BT + tl.arange(0, BT)) // M
-      b_A = tl.dot(_row_tile(p_q, bos + o_t, mask_t, 0, o_k, H * K, K),
-                   _row_tile_t(p_k, row, mask_r, 0, o_k, H * K, K), input_precision=DOT_PRECISION)
-      if K > 64:
-        b_A += tl.dot(_row_tile(p_q, bos + o_t, mask_t, 1, o_k, H * K, K),
-                      _row_tile_t(p_k, row, mask_r, 1, o_k, H * K, K),
-                      input_precision=DOT_PRECISION)
-      if K > 128:
-        b_A += tl.dot(_row_tile(p_q, bos + o_t, mask_t, 2, o_k, H * K, K),
-                      _row_tile_t(p_k, row, mask_r, 2, o_k, H * K, K),
-                      input_precision=DOT_PRECISION)
-      if K > 192:
-        b_A += tl.dot(_row_tile(p_q, bos + o_t, mask_t, 3, o_k, H * K, K),
-                      _row_tile_t(p_k, row, mask_r, 3, o_k, H * K, K),
-                      input_precision=DOT_PRECISION)
+      b_A = _rows_dot_rows(p_q, bos + o_t, mask_t, p_k, row, mask_r, o_k, H * K, H * K, K,
+                           DOT_PRECISION)
       m_A = ((o_t - (i_e // M) * BT)[:, None] >= r_tok[None, :]) & mask_t[:, None] & mask_r[None, :]
       if USE_G:
         b_gr = tl.load(g_tok + (bos + (i_e // M) * BT + r_tok) * HV + i_hv, mask=mask_r, other=0.)
