@@ -10,3 +10,20 @@ def l2norm_rows(x):
   The epsilon keeps a zero row (a folded decode step's empty query) at exactly zero.
   """
   return x / tl.sqrt(tl.sum(x * x, axis=-1, keep_dims=True) + 1e-6)
+
+
+@triton.jit
+def chunk_span(chunk_desc, cu_seqlens, i_d, M: tl.constexpr, BT: tl.constexpr):
+  """Descriptor i_d of a chunked stream with M rows per token (ALGORITHM.md §5.3).
+
+  Returns (i_n, row0, n): the sequence (negative for a padding descriptor, whose program should
+  return at once), the chunk's first row on the stream as an int64 (row * stride overflows int32
+  on long packed batches; offsets inside the chunk do not) and its valid rows (at most BT).
+  """
+  i_n = tl.load(chunk_desc + 2 * i_d)
+  i_c = tl.load(chunk_desc + 2 * i_d + 1)
+  i_s = tl.maximum(i_n, 0)  # a padding descriptor reads sequence 0's bounds, unused
+  bos = tl.load(cu_seqlens + i_s).to(tl.int64) * M
+  eos = tl.load(cu_seqlens + i_s + 1).to(tl.int64) * M
+  row0 = bos + i_c * BT
+  return i_n, row0, tl.minimum(eos - row0, BT).to(tl.int32)

@@ -19,6 +19,8 @@ Parameter order: inputs, outputs, constexprs (how jax_triton.triton_call passes 
 import triton
 import triton.language as tl
 
+from ._common import chunk_span
+
 
 @triton.jit
 def chunk_cumsum_fwd_kernel(
@@ -34,22 +36,17 @@ def chunk_cumsum_fwd_kernel(
     BT: tl.constexpr,   # chunk length, 64
     BHV: tl.constexpr,  # next power of two >= HV
 ):
-  i_d = tl.program_id(0)
-  i_n = tl.load(chunk_desc + 2 * i_d)
+  i_n, row0, n = chunk_span(chunk_desc, cu_seqlens, tl.program_id(0), M, BT)
   if i_n < 0:
     return
-  i_c = tl.load(chunk_desc + 2 * i_d + 1)
-  # A sequence's rows on this stream start at M * its first token, so r' % M is the copy index.
-  bos = tl.load(cu_seqlens + i_n).to(tl.int64) * M
-  eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64) * M
-
-  o_r = i_c * BT + tl.arange(0, BT)
+  # A sequence's rows on this stream start at M * its first token, so row % M is the copy index.
+  row = row0 + tl.arange(0, BT)
   o_hv = tl.arange(0, BHV)
-  mask_r = o_r < eos - bos
+  mask_r = tl.arange(0, BT) < n
   mask_hv = o_hv < HV
-  m_g = (mask_r & (o_r % M == 0))[:, None] & mask_hv[None, :]
-  b_g = tl.load(g + ((bos + o_r) // M)[:, None] * HV + o_hv[None, :], mask=m_g, other=0.)
+  m_g = (mask_r & (row % M == 0))[:, None] & mask_hv[None, :]
+  b_g = tl.load(g + (row // M)[:, None] * HV + o_hv[None, :], mask=m_g, other=0.)
   # Scaled after the sum, so every kernel downstream can use exp2.
   b_g = tl.cumsum(b_g.to(tl.float32), axis=0) * 1.4426950216
-  tl.store(g_cum + (bos + o_r)[:, None] * HV + o_hv[None, :], b_g,
+  tl.store(g_cum + row[:, None] * HV + o_hv[None, :], b_g,
            mask=mask_r[:, None] & mask_hv[None, :])

@@ -17,6 +17,8 @@ Parameter order: inputs, outputs, constexprs.
 import triton
 import triton.language as tl
 
+from ._common import chunk_span
+
 
 @triton.jit
 def chunk_kkt_fwd_kernel(
@@ -41,17 +43,9 @@ def chunk_kkt_fwd_kernel(
 ):
   i_d, i_hv = tl.program_id(0), tl.program_id(1)
   i_h = i_hv // (HV // H)
-  i_n = tl.load(chunk_desc + 2 * i_d)
+  i_n, row0, n = chunk_span(chunk_desc, cu_seqlens, i_d, M, BT)
   if i_n < 0:
     return
-  i_c = tl.load(chunk_desc + 2 * i_d + 1)
-  bos = tl.load(cu_seqlens + i_n).to(tl.int64) * M
-  eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64) * M
-
-  # The chunk's first row as an int64 scalar base: row * H*K and row * HV*BT overflow int32 on
-  # long packed batches, offsets inside the chunk do not (and keep the tiles' address math narrow).
-  row0 = bos + i_c * BT
-  n = tl.minimum(eos - row0, BT).to(tl.int32)
   o_r = tl.arange(0, BT)
   mask_r = o_r < n
   o_k = tl.arange(0, BK)

@@ -27,6 +27,8 @@ Parameter order: inputs, outputs, constexprs.
 import triton
 import triton.language as tl
 
+from ._common import chunk_span
+
 
 @triton.jit
 def chunk_o_fwd_kernel(
@@ -59,16 +61,10 @@ def chunk_o_fwd_kernel(
 ):
   i_d, i_v, i_hv = tl.program_id(0), tl.program_id(1), tl.program_id(2)
   i_h = i_hv // (HV // H)
-  i_n = tl.load(chunk_desc + 2 * i_d)
+  # Token chunks: M = 1 rows per token. t0 is int64 (token * HV*V overflows int32).
+  i_n, t0, n = chunk_span(chunk_desc, cu_seqlens, i_d, 1, BT)
   if i_n < 0:
     return
-  i_c = tl.load(chunk_desc + 2 * i_d + 1)
-  # int64 scalar bases: token * HV*V, row * H*K and chunk * HV*K*V overflow int32 on long
-  # packed batches; offsets inside one chunk do not, and keep the tiles' address math narrow.
-  bos = tl.load(cu_seqlens + i_n).to(tl.int64)
-  eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
-  t0 = bos + i_c * BT
-  n = tl.minimum(eos - t0, BT).to(tl.int32)
 
   o_t = tl.arange(0, BT)
   mask_t = o_t < n

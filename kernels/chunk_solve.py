@@ -25,6 +25,8 @@ Parameter order: inputs, outputs, constexprs.
 import triton
 import triton.language as tl
 
+from ._common import chunk_span
+
 
 @triton.jit
 def _load_block(p_A, i_p, i_q, n, STRIDE: tl.constexpr):
@@ -74,17 +76,11 @@ def chunk_solve_fwd_kernel(
     BT: tl.constexpr,  # 64: the 4x4 split of 16x16 blocks is written out below
 ):
   i_d, i_hv = tl.program_id(0), tl.program_id(1)
-  i_n = tl.load(chunk_desc + 2 * i_d)
+  i_n, row0, n = chunk_span(chunk_desc, cu_seqlens, i_d, M, BT)
   if i_n < 0:
     return
-  i_c = tl.load(chunk_desc + 2 * i_d + 1)
-  bos = tl.load(cu_seqlens + i_n).to(tl.int64) * M
-  eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64) * M
-  # Valid rows of this chunk; int32 is enough for a count of at most 64.
-  n = tl.minimum(eos - bos - i_c * BT, BT).to(tl.int32)
-  # int64: row * HV*BT overflows int32 on long packed batches.
-  p_A = A + (bos + i_c * BT) * (HV * BT) + i_hv * BT
-  p_Ai = Ai + (bos + i_c * BT) * (HV * BT) + i_hv * BT
+  p_A = A + row0 * (HV * BT) + i_hv * BT
+  p_Ai = Ai + row0 * (HV * BT) + i_hv * BT
 
   o_i = tl.arange(0, 16)
   m_strict = o_i[:, None] > o_i[None, :]
