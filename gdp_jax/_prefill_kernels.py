@@ -76,7 +76,7 @@ class _PrefillConfig:
   # Stage 6 fused into stage 5 (kernels/chunk_h.py, FUSE_OUTPUT): saves writing and reading h
   # and v_new (about 1.6 GB at B=8 T=4096 H=32, benchmarks/NOTES.md) and a launch, but adds two
   # dots per expanded chunk to the scan's sequential chain. Not timed yet: "off" until the
-  # benchmark (`prefill.py`, its fused column) says where it wins.
+  # benchmark (`prefill.py`, its other_mode column) says where it wins.
   fuse_output: str = "off"
   fuse_min_programs: int = 264
   # The fused scan holds the output tile and the intra-chunk A beside the state: with 4 warps
