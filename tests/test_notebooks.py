@@ -10,6 +10,7 @@ import pathlib
 import re
 import sys
 
+import jax
 import pytest
 
 nbformat = pytest.importorskip("nbformat", reason="the test extra installs nbformat")
@@ -17,6 +18,8 @@ nbclient = pytest.importorskip("nbclient", reason="the test extra installs nbcli
 pytest.importorskip("ipykernel", reason="the test extra installs ipykernel")
 pytest.importorskip("matplotlib", reason="the test extra installs matplotlib")
 pytest.importorskip("flax.nnx", reason="the notebooks use gdp_jax.flax")
+
+from helpers import RTOL  # noqa: E402
 
 NOTEBOOKS = pathlib.Path(__file__).resolve().parent.parent / "notebooks"
 
@@ -72,7 +75,10 @@ def test_serving(run_notebook):
   claims = _checks(text, r"(?:exactly zero|still NaN\)|unchanged|idle row output zero):\s+(\w+)")
   assert claims == ["True"] * 4, text
   errors = [float(x) for x in re.findall(r"\d\.\de[-+]\d\d", text)]   # every printed rel err
-  assert len(errors) == 9 and max(errors) < 1e-6, text
+  # backend "auto": the float64-capable references on a CPU; the float32 kernels on a GPU,
+  # where packed-vs-alone and rollback comparisons are held to the float32 threshold.
+  tol = RTOL["float32"] if jax.default_backend() == "gpu" else 1e-6
+  assert len(errors) == 9 and max(errors) < tol, text
 
 
 def test_performance_without_results(run_notebook, tmp_path):
