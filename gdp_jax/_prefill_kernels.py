@@ -4,7 +4,7 @@
 the "triton" and "interpret" backends, after the inputs were checked and the defaults filled.
 It runs, per call:
 
-    stage 0  L2 norm of q and k (optional)                         jnp, fused by XLA
+    stage 0  L2 norms of q and k rows as factors (optional)        jnp, fused by XLA
     stage 1  Gu (token stream), Gx (expanded stream)               chunk_cumsum, twice
     stage 2  A = strict_lower(beta K K^T decay)                    chunk_kkt
     stage 3  Ai = (I + A)^-1                                       chunk_solve
@@ -127,10 +127,16 @@ def _dot_precision(dtype) -> str:
   return "ieee" if jnp.dtype(dtype) == jnp.float32 else "tf32"
 
 
-def _l2norm(x: jax.Array) -> jax.Array:
-  """Stage 0 (§4.2): x / sqrt(sum(x^2) + 1e-6) over features, in float32, stored as x.dtype."""
+def _rnorm(x: jax.Array) -> jax.Array:
+  """Stage 0 (§4.2) as row factors: 1 / sqrt(sum(x^2) + 1e-6) over features, float32.
+
+  Every use of a normalised q or k row in stages 2 to 6 is linear in that row, so the kernels
+  take the raw rows and scale their dot products by these factors: q and k are read once here
+  instead of read and written back normalised (1.6 GB at B=8 T=4096 H=32), and the normalised
+  rows are never rounded to the input dtype.
+  """
   xf = x.astype(jnp.float32)
-  return (xf * jax.lax.rsqrt(jnp.sum(xf * xf, -1, keepdims=True) + 1e-6)).astype(x.dtype)
+  return jax.lax.rsqrt(jnp.sum(xf * xf, -1) + 1e-6)
 
 
 # --- one function per stage; all arrays are packed (B folded into the token axis) ----------
@@ -148,17 +154,18 @@ def _cumsum(g, cu, desc, *, M, backend):
   return g_cum
 
 
-def _kkt(k, beta, gx, cu, desc, *, HV, M, backend):
-  """Stage 2: A [T*M, HV, 64] float32."""
+def _kkt(k, beta, gx, cu, desc, *, HV, M, backend, rk=None):
+  """Stage 2: A [T*M, HV, 64] float32; rk: [T*M, H] key row factors or None."""
   TM, H, K = k.shape
   (A,) = _launch.call(
       "chunk_kkt.chunk_kkt_fwd_kernel", k, beta,
-      gx if gx is not None else _launch.placeholder(), cu, desc,
+      gx if gx is not None else _launch.placeholder(),
+      rk if rk is not None else _launch.placeholder(), cu, desc,
       grid=(desc.shape[0], HV),
       out_shape=[jax.ShapeDtypeStruct((TM, HV, BT), jnp.float32)],
       backend=backend, num_warps=CONFIG.kkt_warps,
       H=H, HV=HV, K=K, M=M, BT=BT, BK=CONFIG.kkt_bk,
-      USE_G=gx is not None, DOT_PRECISION=_dot_precision(k.dtype))
+      USE_G=gx is not None, USE_RNORM=rk is not None, DOT_PRECISION=_dot_precision(k.dtype))
   return A
 
 
@@ -174,24 +181,25 @@ def _solve(A, cu, desc, *, M, dtype, backend):
   return Ai
 
 
-def _wy(k, v, beta, gx, Ai, cu, desc, *, M, backend):
-  """Stage 4: w [T*M, HV, K], u [T*M, HV, V] in k.dtype."""
+def _wy(k, v, beta, gx, Ai, cu, desc, *, M, backend, rk=None):
+  """Stage 4: w [T*M, HV, K], u [T*M, HV, V] in k.dtype; rk as in _kkt."""
   TM, H, K = k.shape
   _, HV, V = v.shape
   w, u = _launch.call(
       "chunk_wy.chunk_wy_fwd_kernel", k, v, beta,
-      gx if gx is not None else _launch.placeholder(), Ai, cu, desc,
+      gx if gx is not None else _launch.placeholder(),
+      rk if rk is not None else _launch.placeholder(), Ai, cu, desc,
       grid=(desc.shape[0], HV),
       out_shape=[jax.ShapeDtypeStruct((TM, HV, K), k.dtype),
                  jax.ShapeDtypeStruct((TM, HV, V), k.dtype)],
       backend=backend, num_warps=CONFIG.wy_warps,
       H=H, HV=HV, K=K, V=V, M=M, BT=BT, BK=CONFIG.wy_bk, BV=CONFIG.wy_bv,
-      USE_G=gx is not None, DOT_PRECISION=_dot_precision(k.dtype))
+      USE_G=gx is not None, USE_RNORM=rk is not None, DOT_PRECISION=_dot_precision(k.dtype))
   return w, u
 
 
 def _scan(k, w, u, gx, cu, offsets, n_rows, *, M, h0, state_indices, final_kind,
-          h_dtype, snap_dtype, backend, fused=None):
+          h_dtype, snap_dtype, backend, fused=None, rk=None, rq=None):
   """Stage 5: the inter-chunk scan; with `fused`, stage 6 as well.
 
   Args:
@@ -207,6 +215,7 @@ def _scan(k, w, u, gx, cu, offsets, n_rows, *, M, h0, state_indices, final_kind,
     snap_dtype: dtype of a second copy of the chunk states, or None for no copy.
     fused: None, or (q [T, H, K], gu [T, HV] or None, scale, out_dtype, store_h) to compute
       the output inside the scan; h is then written only when store_h.
+    rk, rq: None, or the row factors of k [T*M, H] and (with `fused`) q [T, H].
 
   Returns:
     (h or None, h_snap or None, v_new or None, final or None, o or None).
@@ -245,7 +254,9 @@ def _scan(k, w, u, gx, cu, offsets, n_rows, *, M, h0, state_indices, final_kind,
       state_indices if state_indices is not None else _launch.placeholder(jnp.int32),
       cu, offsets,
       HV * K * V, K * V, S,
-      q, gu if gu is not None else _launch.placeholder(), float(scale),
+      rk if rk is not None else _launch.placeholder(),
+      q, rq if rq is not None else _launch.placeholder(),
+      gu if gu is not None else _launch.placeholder(), float(scale),
       grid=(N * HV, -(-V // bv)),
       out_shape=out_shape,
       input_output_aliases=aliases,
@@ -255,20 +266,25 @@ def _scan(k, w, u, gx, cu, offsets, n_rows, *, M, h0, state_indices, final_kind,
       USE_G=gx is not None, USE_INITIAL_STATE=h0 is not None,
       STORE_FINAL_STATE=final_kind != "none", HAS_STATE_INDICES=state_indices is not None,
       STORE_SNAPSHOT=snap_dtype is not None, FUSE_OUTPUT=fused is not None,
+      USE_RNORM=rk is not None,
       STORE_CHECKPOINTS=store_h, DOT_PRECISION=_dot_precision(k.dtype))
   return (h if store_h else None, h_snap if snap_dtype is not None else None,
           v_new if fused is None else None, ht if final_kind != "none" else None,
           o if fused is not None else None)
 
 
-def _output(q, k, v_new, h, gu, state_indices, S, cu, desc, *, M, scale, out_dtype, backend):
-  """Stage 6: o [T, HV, V] in out_dtype; rows of tokens outside every sequence are unwritten."""
+def _output(q, k, v_new, h, gu, state_indices, S, cu, desc, *, M, scale, out_dtype, backend,
+            rq=None, rk=None):
+  """Stage 6: o [T, HV, V] in out_dtype; rows of tokens outside every sequence are unwritten.
+  rq, rk: None, or the row factors of q [T, H] and k [T*M, H]."""
   T, H, K = q.shape
   _, HV, V = v_new.shape
   bv = CONFIG.o_bv
   (o,) = _launch.call(
       "chunk_o.chunk_o_fwd_kernel", q, k, v_new, h,
       gu if gu is not None else _launch.placeholder(),
+      rq if rq is not None else _launch.placeholder(),
+      rk if rk is not None else _launch.placeholder(),
       state_indices if state_indices is not None else _launch.placeholder(jnp.int32),
       cu, desc, S, float(scale),
       grid=(desc.shape[0], -(-V // bv), HV),
@@ -276,7 +292,7 @@ def _output(q, k, v_new, h, gu, state_indices, S, cu, desc, *, M, scale, out_dty
       backend=backend, num_warps=CONFIG.o_warps, num_stages=CONFIG.o_stages,
       H=H, HV=HV, K=K, V=V, M=M, BT=BT, BK=CONFIG.o_bk, BV=bv,
       USE_G=gu is not None, HAS_STATE_INDICES=state_indices is not None,
-      DOT_PRECISION=_dot_precision(q.dtype))
+      USE_RNORM=rq is not None, DOT_PRECISION=_dot_precision(q.dtype))
   return o
 
 
@@ -298,7 +314,7 @@ def _chunk_gated_delta_product_fwd(
     scale: query scale.
     initial_state: [N, HV, K, V] or None (zeros).
     output_final_state: return the final state densely (ignored with `state`).
-    use_qk_l2norm_in_kernel: L2-normalise q and k rows first (in float32, stored in their dtype).
+    use_qk_l2norm_in_kernel: L2-normalise q and k rows (as float32 row factors, _rnorm).
     cu_seqlens: [N+1] int32 token-stream sequence starts (B == 1), or None (N = B).
     state: [S, HV, K, V] cache read and written at `state_indices`, or None.
     state_indices: [N] int32 slot per sequence (outside [0, S): padding), or None (slot n).
@@ -324,14 +340,14 @@ def _chunk_gated_delta_product_fwd(
   q = q.astype(dtype)
   v = v.astype(dtype)
 
-  if use_qk_l2norm_in_kernel:
-    q = _l2norm(q)
-    k = _l2norm(k)
 
   # Fold the batch into one packed stream: every kernel indexes rows through cu_seqlens.
   q = q.reshape(B * T, H, K)
   k = k.reshape(B * T * M, H, K)
   v = v.reshape(B * T * M, HV, V)
+  # Stage 0 as row factors that the kernels apply after their dots.
+  rq = _rnorm(q) if use_qk_l2norm_in_kernel else None
+  rk = _rnorm(k) if use_qk_l2norm_in_kernel else None
   if state_indices is not None:
     state_indices = state_indices.astype(jnp.int32)
   if beta is None:
@@ -364,9 +380,9 @@ def _chunk_gated_delta_product_fwd(
   else:
     gu = gx = None
 
-  A = _kkt(k, beta, gx, cu, desc_x, HV=HV, M=M, backend=backend)
+  A = _kkt(k, beta, gx, cu, desc_x, HV=HV, M=M, backend=backend, rk=rk)
   Ai = _solve(A, cu, desc_x, M=M, dtype=dtype, backend=backend)
-  w, u = _wy(k, v, beta, gx, Ai, cu, desc_x, M=M, backend=backend)
+  w, u = _wy(k, v, beta, gx, Ai, cu, desc_x, M=M, backend=backend, rk=rk)
 
   if state is not None:
     h0, final_kind = state, "cache"
@@ -391,12 +407,12 @@ def _chunk_gated_delta_product_fwd(
   h, h_snap, v_new, final, o = _scan(
       k, w, u, gx, cu, offsets, n_rows, M=M, h0=h0, state_indices=state_indices,
       final_kind=final_kind, h_dtype=h_dtype, snap_dtype=snap_dtype, backend=backend,
-      fused=fused)
+      fused=fused, rk=rk, rq=rq)
 
   if fused is None:
     S = state.shape[0] if state is not None else N
     o = _output(q, k, v_new, h, gu, state_indices, S, cu, desc_t, M=M, scale=scale,
-                out_dtype=out_dtype, backend=backend)
+                out_dtype=out_dtype, backend=backend, rq=rq, rk=rk)
 
   if cu_seqlens is not None:
     # Tokens past cu_seqlens[N] belong to no sequence and no program writes them (§5.4); a

@@ -138,7 +138,9 @@ def chunk_h_fwd_kernel(
     stride_s,       # elements between rows (sequences or slots) of h0 and ht
     stride_hv,      # elements between heads of h0 and ht; the [K, V] part is contiguous
     S,              # slots of the cache: a slot outside [0, S) is padding
+    rk,             # [T*M, H] float32 1/|k| row factors (USE_RNORM; else a placeholder)
     q,              # [T, H, K] queries (FUSE_OUTPUT; else a placeholder)
+    rq,             # [T, H] float32 1/|q| row factors (FUSE_OUTPUT and USE_RNORM)
     g_tok,          # [T, HV] float32 Gu, token-stream log2 cumsum (FUSE_OUTPUT and USE_G)
     scale,          # float32 query scale (FUSE_OUTPUT)
     # outputs
@@ -164,6 +166,7 @@ def chunk_h_fwd_kernel(
     HAS_STATE_INDICES: tl.constexpr,
     STORE_SNAPSHOT: tl.constexpr,
     FUSE_OUTPUT: tl.constexpr,
+    USE_RNORM: tl.constexpr,  # q and k L2-normalised by their row factors, applied after dots
     STORE_CHECKPOINTS: tl.constexpr,  # write h (always without FUSE_OUTPUT)
     DOT_PRECISION: tl.constexpr,  # "ieee" for float32 inputs, else the tensor-core default
 ):
@@ -227,6 +230,7 @@ def chunk_h_fwd_kernel(
   o_t = tl.arange(0, BT)  # token offsets of the current token chunk (FUSE_OUTPUT)
   mask_t = o_t < 0
   b_gu = tl.zeros([BT], dtype=tl.float32)
+  b_rq = tl.zeros([BT], dtype=tl.float32)
   b_o = tl.zeros([BT, BV], dtype=tl.float32)
   for i_e in range(0, n_x):
     if i_e % M == 0:
@@ -244,6 +248,9 @@ def chunk_h_fwd_kernel(
         tok = bos + o_t
         b_o = _rows_dot_state(p_q, tok, mask_t, b_h1, b_h2, b_h3, b_h4, o_k, H * K, K,
                               DOT_PRECISION)
+        if USE_RNORM:
+          b_rq = tl.load(rq + tok * H + i_h, mask=mask_t, other=0.)
+          b_o = b_o * b_rq[:, None]
         if USE_G:
           b_gu = tl.load(g_tok + tok * HV + i_hv, mask=mask_t, other=0.)
           b_o = b_o * tl.exp2(b_gu)[:, None]
@@ -263,6 +270,8 @@ def chunk_h_fwd_kernel(
       r_tok = ((i_e % M) * BT + tl.arange(0, BT)) // M
       b_A = _rows_dot_rows(p_q, bos + o_t, mask_t, p_k, row, mask_r, o_k, H * K, H * K, K,
                            DOT_PRECISION)
+      if USE_RNORM:
+        b_A = b_A * (b_rq[:, None] * tl.load(rk + row * H + i_h, mask=mask_r, other=0.)[None, :])
       m_A = ((o_t - (i_e // M) * BT)[:, None] >= r_tok[None, :]) & mask_t[:, None] & mask_r[None, :]
       if USE_G:
         b_gr = tl.load(g_tok + (bos + (i_e // M) * BT + r_tok) * HV + i_hv, mask=mask_r, other=0.)
@@ -292,6 +301,9 @@ def chunk_h_fwd_kernel(
         b_h3 *= b_decay
       if K > 192:
         b_h4 *= b_decay
+    if USE_RNORM:
+      # K_normalised^T D = K^T (diag(1/|k|) D)
+      b_v = b_v * tl.load(rk + row * H + i_h, mask=mask_r, other=0.)[:, None]
     b_v = b_v.to(k.dtype.element_ty)
 
     b_h1 += tl.dot(_row_tile_t(p_k, row, mask_r, 0, o_k, H * K, K), b_v,

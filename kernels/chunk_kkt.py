@@ -26,6 +26,7 @@ def chunk_kkt_fwd_kernel(
     k,           # [T*M, H, K] expanded-stream keys
     beta,        # [T*M, HV]
     g_cum,       # [T*M, HV] float32 Gx (log2 units); a placeholder when USE_G is False
+    rk,          # [T*M, H] float32 1/|k| factors; a placeholder when USE_RNORM is False
     cu_seqlens,  # [N+1] int32 token-stream sequence starts
     chunk_desc,  # [NXD, 2] int32 (sequence, expanded chunk within it); sequence -1 = padding
     # outputs
@@ -39,6 +40,7 @@ def chunk_kkt_fwd_kernel(
     BK: tl.constexpr,
     # flags
     USE_G: tl.constexpr,
+    USE_RNORM: tl.constexpr,  # keys L2-normalised by their row factors, applied after the dot
     DOT_PRECISION: tl.constexpr,  # "ieee" for float32 inputs, else the tensor-core default
 ):
   i_d, i_hv = tl.program_id(0), tl.program_id(1)
@@ -58,6 +60,9 @@ def chunk_kkt_fwd_kernel(
                   mask=mask_r[:, None] & mask_k[None, :], other=0.)
     b_A += tl.dot(b_k, tl.trans(b_k), input_precision=DOT_PRECISION)
 
+  if USE_RNORM:
+    b_rk = tl.load(rk + row0 * H + (o_r * H + i_h), mask=mask_r, other=0.)
+    b_A = b_A * (b_rk[:, None] * b_rk[None, :])
   b_beta = tl.load(beta + row0 * HV + (o_r * HV + i_hv), mask=mask_r, other=0.).to(tl.float32)
   m_A = (o_r[:, None] > o_r[None, :]) & mask_r[:, None]
   if USE_G:

@@ -38,6 +38,8 @@ def chunk_o_fwd_kernel(
     v_new,          # [T*M, HV, V] from stage 5, input dtype
     h,              # [NCR, HV, K, V] entering state of every token chunk (any float dtype)
     g_cum,          # [T, HV] float32 Gu (log2 units); a placeholder when USE_G is False
+    rq,             # [T, H] float32 1/|q| row factors; a placeholder when USE_RNORM is False
+    rk,             # [T*M, H] float32 1/|k| row factors; a placeholder when USE_RNORM is False
     state_indices,  # [N] int32 slot per sequence; a placeholder without HAS_STATE_INDICES
     cu_seqlens,     # [N+1] int32 token-stream sequence starts
     chunk_desc,     # [NCD, 2] int32 (sequence, token chunk within it); sequence -1 = padding
@@ -57,6 +59,7 @@ def chunk_o_fwd_kernel(
     # flags
     USE_G: tl.constexpr,
     HAS_STATE_INDICES: tl.constexpr,
+    USE_RNORM: tl.constexpr,  # q and k L2-normalised by their row factors, applied after dots
     DOT_PRECISION: tl.constexpr,  # "ieee" for float32 inputs, else the tensor-core default
 ):
   i_d, i_v, i_hv = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -93,6 +96,9 @@ def chunk_o_fwd_kernel(
     # depend on the dtype h was kept in.
     b_o += tl.dot(b_q, b_h.to(b_q.dtype), input_precision=DOT_PRECISION)
 
+  if USE_RNORM:
+    b_rq = tl.load(rq + t0 * H + o_t * H + i_h, mask=mask_t, other=0.)
+    b_o = b_o * b_rq[:, None]
   m_A = (o_t[:, None] >= o_t[None, :]) & mask_t[:, None] & mask_t[None, :]
   if USE_G:
     b_g = tl.load(g_cum + t0 * HV + o_t * HV + i_hv, mask=mask_t, other=0.)
@@ -112,6 +118,9 @@ def chunk_o_fwd_kernel(
       b_kt = tl.load(p_k + i_k * BK, mask=mask_k[:, None] & mask_t[None, :], other=0.)
       b_A += tl.dot(b_q, b_kt, input_precision=DOT_PRECISION)
     b_A = b_A * b_dec
+    if USE_RNORM:
+      b_rk = tl.load(rk + (t0 * M + j) * H + o_t * (M * H) + i_h, mask=mask_t, other=0.)
+      b_A = b_A * (b_rq[:, None] * b_rk[None, :])
     p_d = (v_new + (t0 * M + j) * (HV * V) + i_hv * V
            + (o_t[:, None] * (M * HV * V) + o_v[None, :]))
     b_d = tl.load(p_d, mask=m_tv, other=0.)

@@ -29,6 +29,7 @@ def chunk_wy_fwd_kernel(
     v,           # [T*M, HV, V]
     beta,        # [T*M, HV]
     g_cum,       # [T*M, HV] float32 Gx (log2 units); a placeholder when USE_G is False
+    rk,          # [T*M, H] float32 1/|k| factors; a placeholder when USE_RNORM is False
     Ai,          # [T*M, HV, BT] in the input dtype
     cu_seqlens,  # [N+1] int32 token-stream sequence starts
     chunk_desc,  # [NXD, 2] int32 (sequence, expanded chunk within it); sequence -1 = padding
@@ -46,6 +47,7 @@ def chunk_wy_fwd_kernel(
     BV: tl.constexpr,
     # flags
     USE_G: tl.constexpr,
+    USE_RNORM: tl.constexpr,  # keys L2-normalised by their row factors
     DOT_PRECISION: tl.constexpr,  # "ieee" for float32 inputs, else the tensor-core default
 ):
   i_d, i_hv = tl.program_id(0), tl.program_id(1)
@@ -74,6 +76,8 @@ def chunk_wy_fwd_kernel(
   if USE_G:
     b_g = tl.load(g_cum + row0 * HV + o_r * HV + i_hv, mask=mask_r, other=0.)
     b_kscale = b_beta * tl.where(mask_r, tl.exp2(b_g), 0.)
+  if USE_RNORM:
+    b_kscale = b_kscale * tl.load(rk + row0 * H + o_r * H + i_h, mask=mask_r, other=0.)
   o_k = tl.arange(0, BK)
   p_k = k + row0 * (H * K) + i_h * K
   p_w = w + row0 * (HV * K) + i_hv * K
