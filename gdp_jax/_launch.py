@@ -22,7 +22,8 @@ Every quirk of jax-triton 0.3.1 lives here and nowhere else:
   graph (command buffer), so every kernel of a jitted decode loop is a separate host launch.
   Newer jaxlibs also register `triton_kernel_call_ffi`, the same serialized kernel call as an
   FFI attribute, which can be captured. With GDP_TRITON_CALL_TARGET=ffi in the environment
-  (read at the first launch) our kernels lower to that target instead (0.4 does this itself). Opt-in: not yet measured on the GPU (benchmarks/NOTES.md).
+  (read at the first launch) our kernels lower to that target instead (0.4 does this itself).
+  Opt-in: not yet measured on the GPU (benchmarks/NOTES.md).
 """
 from __future__ import annotations
 

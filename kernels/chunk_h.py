@@ -258,6 +258,8 @@ def chunk_h_fwd_kernel(
     o_r = i_e * BT + tl.arange(0, BT)
     mask_r = o_r < len_x
     row = bos_x + o_r
+    if USE_RNORM:
+      b_rk = tl.load(rk + row * H + i_h, mask=mask_r, other=0.)
     b_wh = _rows_dot_state(p_w, row, mask_r, b_h1, b_h2, b_h3, b_h4, o_k, HV * K, K,
                            DOT_PRECISION)
 
@@ -271,8 +273,9 @@ def chunk_h_fwd_kernel(
       b_A = _rows_dot_rows(p_q, bos + o_t, mask_t, p_k, row, mask_r, o_k, H * K, H * K, K,
                            DOT_PRECISION)
       if USE_RNORM:
-        b_A = b_A * (b_rq[:, None] * tl.load(rk + row * H + i_h, mask=mask_r, other=0.)[None, :])
-      m_A = ((o_t - (i_e // M) * BT)[:, None] >= r_tok[None, :]) & mask_t[:, None] & mask_r[None, :]
+        b_A = b_A * (b_rq[:, None] * b_rk[None, :])
+      m_A = (((o_t - (i_e // M) * BT)[:, None] >= r_tok[None, :])
+             & mask_t[:, None] & mask_r[None, :])
       if USE_G:
         b_gr = tl.load(g_tok + (bos + (i_e // M) * BT + r_tok) * HV + i_hv, mask=mask_r, other=0.)
         # A select, not a product: above the diagonal the exponent may overflow to inf.
@@ -302,8 +305,7 @@ def chunk_h_fwd_kernel(
       if K > 192:
         b_h4 *= b_decay
     if USE_RNORM:
-      # K_normalised^T D = K^T (diag(1/|k|) D)
-      b_v = b_v * tl.load(rk + row * H + i_h, mask=mask_r, other=0.)[:, None]
+      b_v = b_v * b_rk[:, None]  # normalised K^T D = K^T (diag(1/|k|) D)
     b_v = b_v.to(k.dtype.element_ty)
 
     b_h1 += tl.dot(_row_tile_t(p_k, row, mask_r, 0, o_k, H * K, K), b_v,
