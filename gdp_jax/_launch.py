@@ -132,13 +132,34 @@ def call(
     if not _is_array(args[i]):
       raise ValueError(f"input_output_aliases: argument {i} is a scalar")
   out_shape = [jax.ShapeDtypeStruct(s.shape, s.dtype) for s in out_shape]
+  if backend not in ("triton", "interpret"):
+    raise ValueError(
+        f"backend: expected 'triton' or 'interpret' for a kernel launch, got {backend!r}")
   if any(g == 0 for g in grid):
     return _no_launch(args, out_shape, aliases)
-  if backend == "interpret":
-    return _interpret(kernel, args, grid, out_shape, aliases, constexprs)
-  if backend == "triton":
-    return _jax_triton(kernel, args, grid, out_shape, aliases, num_warps, num_stages, constexprs)
-  raise ValueError(f"backend: expected 'triton' or 'interpret' for a kernel launch, got {backend!r}")
+  positions = [i for i, a in enumerate(args) if _is_array(a)]
+  template = [None if i in positions else a for i, a in enumerate(args)]
+
+  # Differentiating a launch would otherwise fail inside jax-triton or pure_callback with a
+  # message about their internals; say what is true here instead, at trace time.
+  @jax.custom_jvp
+  def launch(*arrays):
+    full = list(template)
+    for i, a in zip(positions, arrays):
+      full[i] = a
+    if backend == "interpret":
+      return _interpret(kernel, full, grid, out_shape, aliases, constexprs)
+    return _jax_triton(kernel, full, grid, out_shape, aliases, num_warps, num_stages, constexprs)
+
+  launch.defjvp(_forward_only)
+  return tuple(launch(*[args[i] for i in positions]))
+
+
+def _forward_only(primals, tangents):
+  raise NotImplementedError(
+      "gdp_jax's Triton kernels compute the forward pass only (prefill and decode); there is no "
+      "backward kernel to differentiate through. For gradients use backend='reference', the "
+      "pure jax.numpy twins, which jax differentiates like any jnp code.")
 
 
 def _no_launch(args, out_shape, aliases):

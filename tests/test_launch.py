@@ -136,3 +136,13 @@ def test_ffi_call_target_gpu(tmp_path):
   x, idx, cache = _case(jnp.float32)
   y, new_cache = jax.jit(lambda x, i, c: _run(x, i, c, 0.5, "triton"))(x, idx, cache)
   assert bits_equal(r["y"], np.asarray(y)) and bits_equal(r["cache"], np.asarray(new_cache))
+
+
+def test_differentiating_a_launch_says_forward_only():
+  x, idx, cache = _case(jnp.float32)
+  loss = lambda x: _run(x, idx, cache, 0.5, "interpret")[0].sum()
+  with pytest.raises(NotImplementedError, match="forward pass only.*backend='reference'"):
+    jax.grad(loss)(x)
+  # The forward pass under jit is untouched by the rule.
+  y, new_cache = jax.jit(lambda x: _run(x, idx, cache, 0.5, "interpret"))(x)
+  _check(x, idx, cache, y, new_cache, 0.5)
