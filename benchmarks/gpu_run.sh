@@ -115,32 +115,20 @@ fi
 
 # 3. + 4. Benchmarks. The scripts stop starting rows a margin before their cap (--budget-s) and
 #    write their JSON after every row, so a capped run still returns what it measured.
-if [[ $STEPS == *,decode,* ]]; then
-  stamp "benchmarks/decode.py (cap ${T_DECODE}s)"
-  timeout -s INT -k 10 "$T_DECODE" python3 benchmarks/decode.py --budget-s $((T_DECODE - 30)) \
-    $BENCH_ARGS ${GDP_DECODE_ARGS:-} 2>&1 | tee -a "$LOG"
-  rc=${PIPESTATUS[0]}
-  stamp "decode.py exit $rc$([ $rc -eq 124 ] && echo ' (TIMED OUT)')"
-fi
-
-if [[ $STEPS == *,prefill,* ]]; then
-  stamp "benchmarks/prefill.py (cap ${T_PREFILL}s)"
-  timeout -s INT -k 10 "$T_PREFILL" python3 benchmarks/prefill.py --budget-s $((T_PREFILL - 45)) \
-    $BENCH_ARGS ${GDP_PREFILL_ARGS:-} 2>&1 | tee -a "$LOG"
-  rc=${PIPESTATUS[0]}
-  stamp "prefill.py exit $rc$([ $rc -eq 124 ] && echo ' (TIMED OUT)')"
-fi
-
+#    bench SCRIPT CAP MARGIN EXTRA_ARGS
+bench() {
+  stamp "benchmarks/$1 (cap $2s)"
+  timeout -s INT -k 10 "$2" python3 "benchmarks/$1" --budget-s $(($2 - $3)) \
+    $BENCH_ARGS $4 2>&1 | tee -a "$LOG"
+  local rc=${PIPESTATUS[0]}
+  stamp "$1 exit $rc$([ $rc -eq 124 ] && echo ' (TIMED OUT)')"
+}
+[[ $STEPS == *,decode,* ]] && bench decode.py "$T_DECODE" 30 "${GDP_DECODE_ARGS:-}"
+[[ $STEPS == *,prefill,* ]] && bench prefill.py "$T_PREFILL" 45 "${GDP_PREFILL_ARGS:-}"
 # Optional (GDP_STEPS=...,stages): prefill time per stage, and with GDP_STAGES_ARGS=--sweep the
 # block sizes and warps of each big stage; cap GDP_STAGES_BUDGET (240).
-if [[ $STEPS == *,stages,* ]]; then
-  T_STAGES=${GDP_STAGES_BUDGET:-240}
-  stamp "benchmarks/prefill_stages.py (cap ${T_STAGES}s)"
-  timeout -s INT -k 10 "$T_STAGES" python3 benchmarks/prefill_stages.py --budget-s $((T_STAGES - 30)) \
-    $BENCH_ARGS ${GDP_STAGES_ARGS:-} 2>&1 | tee -a "$LOG"
-  rc=${PIPESTATUS[0]}
-  stamp "prefill_stages.py exit $rc$([ $rc -eq 124 ] && echo ' (TIMED OUT)')"
-fi
+[[ $STEPS == *,stages,* ]] && bench prefill_stages.py "${GDP_STAGES_BUDGET:-240}" 30 \
+  "${GDP_STAGES_ARGS:-}"
 
 # 5. Summary, last.
 python3 benchmarks/common.py --summary "$OUT" 2>&1 | tee "$OUT/summary.txt"
