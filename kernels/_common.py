@@ -27,3 +27,14 @@ def chunk_span(chunk_desc, cu_seqlens, i_d, M: tl.constexpr, BT: tl.constexpr):
   eos = tl.load(cu_seqlens + i_s + 1).to(tl.int64) * M
   row0 = bos + i_c * BT
   return i_n, row0, tl.minimum(eos - row0, BT).to(tl.int32)
+
+
+@triton.jit
+def decode_program(NV: tl.constexpr, HV: tl.constexpr, H: tl.constexpr):
+  """The flat program id of a decode grid (N * HV * NV programs, V blocks innermost) as
+  (V block, sequence, value head, key head): one axis, so N * HV has no 65535 cap."""
+  i_flat = tl.program_id(0)
+  i_v = i_flat % NV
+  i_nh = i_flat // NV
+  i_hv = i_nh % HV
+  return i_v, i_nh // HV, i_hv, i_hv // (HV // H)

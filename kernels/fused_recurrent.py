@@ -26,7 +26,7 @@ and a torch launcher passes the same tensor twice.
 import triton
 import triton.language as tl
 
-from ._common import l2norm_rows
+from ._common import decode_program, l2norm_rows
 
 
 @triton.jit
@@ -71,13 +71,7 @@ def fused_recurrent_fwd_kernel(
     STORE_INTERMEDIATE: tl.constexpr,
     IS_VARLEN: tl.constexpr,
 ):
-  NV: tl.constexpr = triton.cdiv(V, BV)
-  i_flat = tl.program_id(0)
-  i_v = i_flat % NV
-  i_nh = i_flat // NV
-  i_n = i_nh // HV
-  i_hv = i_nh % HV
-  i_h = i_hv // (HV // H)
+  i_v, i_n, i_hv, i_h = decode_program(triton.cdiv(V, BV), HV, H)
 
   # int64 throughout: a token offset times HV*V, or a slot times HV*K*V (S=1024, HV=32, K=128,
   # V=512 is already 2**31 cache elements), overflows int32.

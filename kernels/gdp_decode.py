@@ -24,7 +24,7 @@ and output pointer), as jax-triton 0.3.1 passes an aliased buffer and a torch la
 import triton
 import triton.language as tl
 
-from ._common import l2norm_rows
+from ._common import decode_program, l2norm_rows
 
 
 @triton.jit
@@ -59,13 +59,8 @@ def gdp_decode_fwd_kernel(
     USE_QK_L2NORM: tl.constexpr,
     STORE_INTERMEDIATE: tl.constexpr,
 ):
-  NV: tl.constexpr = triton.cdiv(V, BV)
-  i_flat = tl.program_id(0)
-  i_v = i_flat % NV
-  i_nh = i_flat // NV
-  i_n = (i_nh // HV).to(tl.int64)
-  i_hv = i_nh % HV
-  i_h = i_hv // (HV // H)
+  i_v, i_n, i_hv, i_h = decode_program(triton.cdiv(V, BV), HV, H)
+  i_n = i_n.to(tl.int64)
 
   o_k = tl.arange(0, BK)
   o_v = i_v * BV + tl.arange(0, BV)
