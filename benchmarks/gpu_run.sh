@@ -106,10 +106,12 @@ if [[ $STEPS == *,notebooks,* ]]; then
   NB_SITE=/tmp/nbsite
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target "$NB_SITE" "$REPO"/.whl/nb/*.whl >>"$LOG" 2>&1 || stamp "installing .whl/nb failed"
-  PYTHONPATH="$PYTHONPATH:$NB_SITE" timeout -s INT -k 10 "${GDP_NOTEBOOK_BUDGET:-240}" \
-    python3 -m pytest -q -ra tests/test_notebooks.py >"$OUT/notebooks.log" 2>&1
+  # -x: the first failure's report is printed at once, before a cap can cut the log short.
+  XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONPATH="$PYTHONPATH:$NB_SITE" \
+    timeout -s INT -k 10 "${GDP_NOTEBOOK_BUDGET:-240}" \
+    python3 -m pytest -x -q -ra tests/test_notebooks.py >"$OUT/notebooks.log" 2>&1
   rc=$?
-  tail -n 15 "$OUT/notebooks.log"
+  tail -n 40 "$OUT/notebooks.log"
   stamp "notebook tests exit $rc"
 fi
 

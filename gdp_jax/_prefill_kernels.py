@@ -82,6 +82,9 @@ class _PrefillConfig:
   # The fused scan holds the output tile and the intra-chunk A beside the state: with 4 warps
   # ptxas (sm_90a) spills 3.5 KB at BV 64 (8 warps: 0.5 KB); the unfused scan at 4 warps 0.5 KB.
   fused_h_warps: int = 8
+  # Its 3-stage pipeline needs 235 KB of shared memory at BV 64 on bfloat16 inputs (found on
+  # the H200; tests/test_sm90_compile.py), over the 227 KB of a block: 2 stages.
+  fused_h_stages: int = 2
   # Stage 6: 64 x 128 output tiles, K in 128-wide slices, 4 warps: 0.091 against 0.17 ms
   # (8 warps, 64 x 64, BK 64) at B=4 H=16, 0.68 against 1.48 ms at B=8 H=32.
   o_bk: int = 128
@@ -261,7 +264,8 @@ def _scan(k, w, u, gx, cu, offsets, n_rows, *, M, h0, state_indices, final_kind,
       out_shape=out_shape,
       input_output_aliases=aliases,
       backend=backend, num_warps=CONFIG.h_warps if fused is None else CONFIG.fused_h_warps,
-      num_stages=CONFIG.h_stages_f32 if k.dtype == jnp.float32 else CONFIG.h_stages,
+      num_stages=(CONFIG.h_stages_f32 if k.dtype == jnp.float32 else
+                  CONFIG.h_stages if fused is None else CONFIG.fused_h_stages),
       H=H, HV=HV, K=K, V=V, M=M, BT=BT, BV=bv,
       USE_G=gx is not None, USE_INITIAL_STATE=h0 is not None,
       STORE_FINAL_STATE=final_kind != "none", HAS_STATE_INDICES=state_indices is not None,

@@ -32,6 +32,9 @@ def run_notebook(tmp_path, monkeypatch):
       "argv": [sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"],
       "display_name": "Python 3 (tests)", "language": "python"}))
   monkeypatch.setenv("JUPYTER_PATH", str(tmp_path / "jupyter"))
+  # On a GPU this process already holds JAX's default 75% of the memory (jax.default_backend()
+  # below starts it); a kernel that asked for 75% more would fail to start its client.
+  monkeypatch.setenv("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
   def run(name, env=None):
     for k, v in (env or {}).items():
