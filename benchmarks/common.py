@@ -297,6 +297,98 @@ def time_torch_graph(fn, *, steps: int = 16, replays: int = 20, repeats: int = 5
   return statistics.median(times)
 
 
+# --------------------------------------------------------------------------------------------
+# Kernel profiles: what the device ran, kernel by kernel (CUPTI through each framework's profiler)
+# --------------------------------------------------------------------------------------------
+
+
+def _kernel_summary(events: list[tuple[str, float, float]]) -> dict:
+  """events: (name, start_us, duration_us). busy is the sum of durations (kernels on one stream
+  do not overlap), span the first start to the last end; span - busy is time the device ran
+  nothing of this work: launch latency, host work, synchronisation."""
+  if not events:
+    return {"kernels": [], "busy_us": 0.0, "span_us": 0.0}
+  per = {}
+  for name, _, dur in events:
+    n, t = per.get(name, (0, 0.0))
+    per[name] = (n + 1, t + dur)
+  start = min(e[1] for e in events)
+  end = max(e[1] + e[2] for e in events)
+  kernels = [{"name": k, "count": n, "us": t} for k, (n, t) in per.items()]
+  kernels.sort(key=lambda r: -r["us"])
+  return {"kernels": kernels, "busy_us": sum(e[2] for e in events), "span_us": end - start}
+
+
+def profile_jax(call, *, calls: int = 1) -> dict:
+  """The device kernels of `calls` runs of `call()`, from a jax.profiler trace.
+
+  On a GPU the trace's "/device:GPU:N" plane holds one line per CUDA stream with every kernel
+  (Triton kernels under their function names, XLA fusions under theirs). Without a GPU the XLA
+  CPU ops stand in (events that carry an "hlo_op" stat), so the CPU smoke exercises the parsing.
+  """
+  import glob
+  import jax
+  from jax.profiler import ProfileData
+  jax.block_until_ready(call())  # compiled and warm: the trace holds steady-state work only
+  d = tempfile.mkdtemp(prefix="gdp_profile_")
+  with jax.profiler.trace(d):
+    out = None
+    for _ in range(calls):
+      out = call()
+    jax.block_until_ready(out)
+  paths = glob.glob(os.path.join(d, "**", "*.xplane.pb"), recursive=True)
+  if not paths:
+    raise RuntimeError(f"jax.profiler wrote no .xplane.pb under {d}")
+  data = ProfileData.from_file(paths[0])
+  events, lines = [], []
+  gpu = [p for p in data.planes if p.name.startswith("/device:GPU")]
+  for plane in gpu:
+    for line in plane.lines:
+      lines.append(line.name)
+      # One line per CUDA stream; the others ("XLA Ops", "XLA Modules", ...) regroup the same
+      # kernels and would count them twice.
+      if line.name.startswith("Stream"):
+        events += [(e.name, e.start_ns / 1e3, e.duration_ns / 1e3) for e in line.events]
+  if not gpu:
+    for plane in data.planes:
+      for line in plane.lines:
+        events += [(e.name, e.start_ns / 1e3, e.duration_ns / 1e3) for e in line.events
+                   if any(k == "hlo_op" for k, _ in e.stats)]
+  if gpu and not events:
+    raise RuntimeError(f"no kernel events on a GPU stream line; the GPU plane's lines: {lines}")
+  return _kernel_summary(events)
+
+
+def profile_torch(fn, *, calls: int = 1) -> dict:
+  """The CUDA kernels of `calls` runs of `fn()`, from torch.profiler (same summary)."""
+  import torch
+  from torch.profiler import ProfilerActivity, profile
+  fn()
+  torch.cuda.synchronize()
+  with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    for _ in range(calls):
+      fn()
+    torch.cuda.synchronize()
+  events = [(e.name, e.time_range.start, e.time_range.end - e.time_range.start)
+            for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+  return _kernel_summary(events)
+
+
+def print_profile(title: str, prof: dict, per: int = 1, unit: str = "call", top: int = 12,
+                  file=None) -> None:
+  """One profile as a table, times and counts divided by `per` (e.g. the steps of a loop)."""
+  file = file or sys.stdout
+  busy, span = prof["busy_us"] / per, prof["span_us"] / per
+  print(f"\n-- profile {title}; per {unit}: kernels {busy:.2f} us, span {span:.2f} us, "
+        f"idle {span - busy:.2f} us", file=file)
+  for k in prof["kernels"][:top]:
+    print(f"   {k['us'] / per:10.2f} us  {k['count'] / per:6.2f} x  {k['name'][:90]}", file=file)
+  if len(prof["kernels"]) > top:
+    rest = sum(k["us"] for k in prof["kernels"][top:]) / per
+    print(f"   {rest:10.2f} us  (+{len(prof['kernels']) - top} more kernels)", file=file)
+  file.flush()
+
+
 def copy_bandwidth_jax(nbytes: int) -> dict:
   """Device-to-device bandwidth of an elementwise jnp pass, bytes read + written per second.
 

@@ -24,6 +24,9 @@ $OUT/decode.json as soon as it exists, tables go to stdout):
 4. A bfloat16 cache at N = 256, HV = 16.
 5. A config sweep (BV x num_warps through gdp_jax._configs.DECODE_OVERRIDE) at N = 256, 1, 8,
    HV = 16, D = 1, each config checked against the reference after 16 steps.
+6. (--parts profile, not in the default) A kernel profile of our 16-step loop (jax.profiler)
+   and of fla-core's 16 eager steps (torch.profiler), CUPTI's device times per kernel: per step,
+   how long kernels ran and the span they took, so launch gaps show apart from kernel time.
 
 `--cpu-smoke` runs the same code at tiny shapes through Triton's interpreter, without torch
 or fla, to prove the plumbing on a machine without a GPU (its times mean nothing).
@@ -54,8 +57,9 @@ def parse_args():
   p.add_argument("--out", default=None, help="output folder (default $OUT or ./bench_out)")
   p.add_argument("--skip-fla", action="store_true")
   p.add_argument("--parts", default="copy,first,main,bf16,sweep",
-                 help="comma-separated subset of copy,first,main,bf16,sweep (e.g. 'copy,sweep' "
-                      "for a second call that only sweeps)")
+                 help="comma-separated subset of copy,first,main,bf16,sweep,profile (e.g. "
+                      "'copy,sweep' for a second call that only sweeps; 'profile' is not in "
+                      "the default)")
   p.add_argument("--shapes", default=None,
                  help="main-table rows as NxHVxD[xS] items, comma-separated (default: all)")
   p.add_argument("--call-target", choices=("legacy", "ffi"), default=None,
@@ -252,9 +256,10 @@ class Bench:
       row["ours_over_fla_graph"] = row["ours_loop_ms"] / row["fla_graph_ms"]
     common.free_device_memory()
 
-  def fla_columns(self, row, x, state, slots, o, new_state, nchk):
-    """fla-core on the folded stream: T = D*M steps, query on copy M-1, decay on copy 0."""
-    jnp, torch = self.jnp, self.torch
+  def fla_step_fn(self, x, state, slots):
+    """fla-core's step on the folded stream: T = D*M steps, query on copy M-1, decay on copy 0,
+    the dense state of the N addressed slots as its initial state."""
+    jnp = self.jnp
     N, D, H, K = x["q"].shape
     HV, M = x["v"].shape[2], self.M
     q_fold = jnp.zeros((N, D, M, H, K), x["q"].dtype).at[:, :, M - 1].set(x["q"])
@@ -270,6 +275,14 @@ class Bench:
       return self.fla(tq, tk, tv, tg, beta=tb, scale=scale, initial_state=th0,
                       output_final_state=True, use_qk_l2norm_in_kernel=True)
 
+    return fla_step
+
+  def fla_columns(self, row, x, state, slots, o, new_state, nchk):
+    """fla-core's errors against ours and its times, eager and as a CUDA graph."""
+    torch, M = self.torch, self.M
+    N, D = x["q"].shape[:2]
+    HV = x["v"].shape[2]
+    fla_step = self.fla_step_fn(x, state, slots)
     fo, fht = fla_step()
     torch.cuda.synchronize()
     row["err_fla_o"] = common.rel_err(o, fo[:, M - 1::M])
@@ -280,7 +293,30 @@ class Bench:
     row["fla_graph_ms"] = common.time_torch_graph(fla_step, steps=self.loop_steps)
     fla_bytes = self.state_bytes(N, HV, D, "float32", with_inter=False)
     row["fla_TBps_graph"] = fla_bytes / (row["fla_graph_ms"] * 1e-3) / 1e12
-    del tq, tk, tv, tg, tb, th0
+    del fla_step
+    common.free_device_memory()
+
+  def profile_row(self, row):
+    """The device kernels of our 16-step loop and of fla-core's 16 eager steps: per step, the
+    time kernels ran and the span from the first kernel's start to the last one's end."""
+    N, HV, D, S = row["N"], row["HV"], row["D"], row["S"]
+    steps = self.loop_steps
+    x, state, slots, inter = self.inputs(N, HV, D, S, seed=3)
+    # fla's inputs first: our loop donates `state`.
+    fla_step = self.fla_step_fn(x, state, slots) if self.fla is not None else None
+    loop = self.step_fn(D > 1, steps=steps)
+    prof = common.profile_jax(self.run_chain(loop, state, inter, x, slots))
+    row["ours_kernel_us"], row["ours_span_us"] = prof["busy_us"] / steps, prof["span_us"] / steps
+    row["profile_ours"] = prof
+    common.print_profile(f"ours N={N} HV={HV} D={D}, {steps} steps in one jit", prof, per=steps,
+                         unit="step")
+    if fla_step is not None:
+      prof = common.profile_torch(fla_step, calls=steps)
+      row["fla_kernel_us"], row["fla_span_us"] = prof["busy_us"] / steps, prof["span_us"] / steps
+      row["profile_fla"] = prof
+      common.print_profile(f"fla-core N={N} HV={HV} D={D}, {steps} eager steps", prof,
+                           per=steps, unit="step")
+      del fla_step
     common.free_device_memory()
 
   def sweep_shape(self, results, N, HV, D, bvs, warps, budget):
@@ -340,6 +376,13 @@ MAIN_COLS = [
     ("err_ref_o", "err_ref_o", ".1e"), ("err_ref_state", "err_ref_h", ".1e"),
     ("err_fla_o", "err_fla_o", ".1e"), ("err_fla_state", "err_fla_h", ".1e"),
     ("err_snapshot", "err_snap", ".1e"), ("row_s", "row_s", ".1f"),
+]
+
+
+PROFILE_COLS = [
+    ("N", "N", "d"), ("HV", "HV", "d"), ("D", "D", "d"),
+    ("ours_kernel_us", "ours_kernels", ".2f"), ("ours_span_us", "ours_span", ".2f"),
+    ("fla_kernel_us", "fla_kernels", ".2f"), ("fla_span_us", "fla_span", ".2f"),
 ]
 
 
@@ -409,6 +452,15 @@ def main():
     if rows:
       common.print_table(f"decode step (ms; loop = per step of {b.loop_steps} in one jit / "
                          "one CUDA graph)", rows, MAIN_COLS)
+
+    # Kernel profiles (--parts profile): at the --shapes rows, or N = 1, 8, 256 at HV = 16.
+    if "profile" in parts:
+      prof_shapes = shapes if args.shapes else (
+          [(1, 2, 1, 1)] if b.smoke else [(1, 16, 1, 1), (8, 16, 1, 8), (256, 16, 1, 256)])
+      prows = [common.run_row(results, "profile", dict(N=N, HV=HV, D=D, S=S), b.profile_row,
+                              budget) for N, HV, D, S in prof_shapes]
+      common.print_table(f"decode kernel profile (us per step of {b.loop_steps})", prows,
+                         PROFILE_COLS)
 
     # 5. Config sweep.
     if "sweep" in parts:

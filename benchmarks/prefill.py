@@ -14,6 +14,9 @@ For the first row also: the first-call cost (lowering, where jax_triton compiles
 kernels, XLA compile, first run) and the jitted `lax.scan` reference, whose time over ours is
 the speed-up the project targets (>= 50x), plus the chunked jnp reference.
 
+With --profile, each row also prints the kernels of one call of ours (jax.profiler) and of
+fla-core's (torch.profiler): device time per kernel, so stages compare side by side in one run.
+
 Numbers go to $OUT/prefill.json after every row; tables to stdout. `--cpu-smoke` runs tiny
 shapes through Triton's interpreter without torch or fla, to prove the plumbing.
 """
@@ -43,6 +46,8 @@ def parse_args():
   p.add_argument("--skip-ref", action="store_true", help="skip the reference timings")
   p.add_argument("--rows", default=None,
                  help="comma-separated row numbers of the table (default: all)")
+  p.add_argument("--profile", action="store_true",
+                 help="per row, also a kernel profile of one call of ours and of fla-core's")
   return p.parse_args()
 
 
@@ -71,6 +76,7 @@ class Bench:
   def __init__(self, args):
     self.smoke = args.cpu_smoke
     self.skip_ref = args.skip_ref
+    self.profile = args.profile
     import jax
     import jax.numpy as jnp
     import gdp_jax
@@ -171,6 +177,11 @@ class Bench:
     floor = max(row["flop_floor_ms"], row.get("byte_floor_ms") or 0.0)
     row["ours_over_floor"] = row["ours_ms"] / floor
     row["TFLOPs"] = row["flops"] / (row["ours_ms"] * 1e-3) / 1e12
+    if self.profile:
+      prof = common.profile_jax(lambda: f(*args))
+      row["ours_kernel_ms"], row["ours_span_ms"] = prof["busy_us"] / 1e3, prof["span_us"] / 1e3
+      row["profile_ours"] = prof
+      common.print_profile(f"ours B={B} T={T} H={H} K={K} V={V} M={M}", prof)
     self.other_output_mode(row, M, args, o, ht)
 
     fo = None
@@ -189,6 +200,11 @@ class Bench:
       row["err_fla_state"] = common.rel_err(ht, fht)
       row["fla_ms"] = common.time_torch(fla_call)
       row["ours_over_fla"] = row["ours_ms"] / row["fla_ms"]
+      if self.profile:
+        prof = common.profile_torch(fla_call)
+        row["fla_kernel_ms"], row["fla_span_ms"] = prof["busy_us"] / 1e3, prof["span_us"] / 1e3
+        row["profile_fla"] = prof
+        common.print_profile(f"fla-core B={B} T={T} H={H} K={K} V={V} M={M}", prof)
       del tq, tk, tv, tg, tb, fht
 
     if with_ref and not self.skip_ref:
@@ -228,6 +244,7 @@ COLS = [
     ("fla_ms", "fla_ms", ".3f"), ("ours_over_fla", "ours/fla", ".2f"),
     ("default_fused", "fused", ""), ("other_mode_ms", "other_mode", ".3f"),
     ("err_other_mode_o", "err_other", ".1e"),
+    ("ours_kernel_ms", "ours_kern", ".3f"), ("fla_kernel_ms", "fla_kern", ".3f"),
     ("flop_floor_ms", "flop_floor", ".3f"), ("byte_floor_ms", "byte_floor", ".3f"),
     ("ours_over_floor", "/floor", ".1f"), ("TFLOPs", "TFLOP/s", ".0f"),
     ("err_fla_o", "err_fla_o", ".1e"), ("err_fla_state", "err_fla_h", ".1e"),

@@ -29,7 +29,9 @@ def run_notebook(tmp_path, monkeypatch):
   spec = tmp_path / "jupyter" / "kernels" / "python3"
   spec.mkdir(parents=True)
   (spec / "kernel.json").write_text(json.dumps({
-      "argv": [sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"],
+      # -X faulthandler: a kernel that crashes prints its Python stack into the captured stderr.
+      "argv": [sys.executable, "-X", "faulthandler", "-m", "ipykernel_launcher", "-f",
+               "{connection_file}"],
       "display_name": "Python 3 (tests)", "language": "python"}))
   monkeypatch.setenv("JUPYTER_PATH", str(tmp_path / "jupyter"))
   # On a GPU this process already holds JAX's default 75% of the memory (jax.default_backend()
