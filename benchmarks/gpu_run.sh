@@ -102,13 +102,15 @@ fi
 #     and their dependencies as py3.12 wheels (see benchmarks/NOTES.md for the download command);
 #     they go into their own folder, last on the path, so they shadow nothing of jax or torch.
 if [[ $STEPS == *,notebooks,* ]]; then
-  stamp "notebooks (cap ${GDP_NOTEBOOK_BUDGET:-240}s)"
+  stamp "notebooks (cap ${GDP_NOTEBOOK_BUDGET:-420}s)"
   NB_SITE=/tmp/nbsite
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target "$NB_SITE" "$REPO"/.whl/nb/*.whl >>"$LOG" 2>&1 || stamp "installing .whl/nb failed"
   # -x: the first failure's report is printed at once, before a cap can cut the log short.
+  # The cap's SIGINT reaches the notebook's kernel too (same process group): a capped run reads
+  # "DeadKernelError: Kernel died" (2026-11-30: the quickstart took over 150 s on the H200).
   XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONPATH="$PYTHONPATH:$NB_SITE" \
-    timeout -s INT -k 10 "${GDP_NOTEBOOK_BUDGET:-240}" \
+    timeout -s INT -k 10 "${GDP_NOTEBOOK_BUDGET:-420}" \
     python3 -m pytest -x -q -ra tests/test_notebooks.py >"$OUT/notebooks.log" 2>&1
   rc=$?
   tail -n 40 "$OUT/notebooks.log"
