@@ -44,6 +44,9 @@ def parse_args():
   p.add_argument("--out", default=None, help="output folder (default $OUT or ./bench_out)")
   p.add_argument("--skip-fla", action="store_true")
   p.add_argument("--skip-ref", action="store_true", help="skip the reference timings")
+  p.add_argument("--ref-rows", default="0",
+                 help="table rows (numbers as in --rows) that also time the jnp references; "
+                      "'all' for every row (each costs a GPU compile of the scan)")
   p.add_argument("--rows", default=None,
                  help="comma-separated row numbers of the table (default: all)")
   p.add_argument("--profile", action="store_true",
@@ -269,8 +272,9 @@ def main():
   else:
     shapes = [(4, 2048, 16, 128, 128, 2), (4, 2048, 16, 128, 128, 3), (1, 8192, 16, 128, 128, 2),
               (8, 4096, 32, 128, 128, 2), (4, 2048, 6, 256, 512, 2)]
+  all_shapes = shapes
   if args.rows:
-    shapes = [shapes[int(i)] for i in args.rows.split(",")]
+    shapes = [all_shapes[int(i)] for i in args.rows.split(",")]
   rows = []
   try:
     try:
@@ -287,10 +291,14 @@ def main():
       results.set_meta(compile_error=f"{type(e).__name__}: {e}"[:800])
       print(f"[prefill] first-call timing failed: {type(e).__name__}: {e}")
     common.free_device_memory()
-    for i, (B, T, H, K, V, M) in enumerate(shapes):
+    numbers = [int(i) for i in args.rows.split(",")] if args.rows else range(len(all_shapes))
+    ref_rows = set(numbers) if args.ref_rows == "all" else {
+        int(i) for i in args.ref_rows.split(",") if i}
+    for i, (B, T, H, K, V, M) in zip(numbers, shapes):
       row = dict(B=B, T=T, H=H, K=K, V=V, M=M)
       rows.append(common.run_row(results, "prefill", row,
-                                 lambda r, i=i: b.row(r, with_ref=(i == 0), results=results),
+                                 lambda r, i=i: b.row(r, with_ref=(i in ref_rows),
+                                                      results=results),
                                  budget))
   except KeyboardInterrupt:
     results.set_meta(interrupted=True)
