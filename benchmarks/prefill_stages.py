@@ -32,14 +32,16 @@ SWEEP = {
     "kkt": [dict(kkt_warps=w, kkt_bk=bk) for w in (2, 4, 8) for bk in (64, 128)],
     "solve": [dict(solve_warps=w) for w in (1, 2, 4, 8)],
     "wy": [dict(wy_warps=w, wy_bv=bv) for w in (2, 4, 8) for bv in (32, 64, 128)],
+    # BV 16: twice the programs of BV 32 where few sequences x heads leave SMs idle (row 2).
     "scan": [dict(h_warps=w, h_stages=s, h_bv_wide=bv, h_bv_narrow=bv)
-             for w in (2, 4, 8) for s in (1, 2, 3) for bv in (32, 64)],
+             for w in (2, 4, 8) for s in (1, 2, 3) for bv in (16, 32, 64)],
     "output": [dict(o_warps=w, o_bv=bv, o_bk=bk, o_stages=s) for w in (2, 4, 8)
                for bv in (64, 128) for bk in (64, 128) for s in (2, 3)],
     # ptxas (sm_90a, K=128): 4 warps spill 3.5 KB at BV 64 and 1 KB at BV 32, 8 warps 0.5 KB
     # and 80 B.
-    "scan_output": [dict(fused_h_warps=w, h_stages=s, h_bv_wide=bv, h_bv_narrow=bv)
-                    for w in (4, 8) for s in (2, 3) for bv in (32, 64)],
+    # 3 stages at BV 64 need 235 KB of shared memory (over the 227 KB of a block).
+    "scan_output": [dict(fused_h_warps=w, fused_h_stages=s, h_bv_wide=bv, h_bv_narrow=bv)
+                    for w in (4, 8) for s in (1, 2) for bv in (32, 64)],
 }
 
 
@@ -74,7 +76,7 @@ def stage_calls(pk, x, B, T, M, backend):
   calls = {
       "cumsum": jax.jit(lambda g: (pk._cumsum(g, cu, desc_t, M=1, backend=backend),
                                    pk._cumsum(g, cu, desc_x, M=M, backend=backend))),
-      "kkt": jax.jit(lambda k, b, gx: pk._kkt(k, b, gx, cu, desc_x, HV=HV, M=M, backend=backend)),
+      "kkt": jax.jit(lambda k, b, gx: pk._kkt(k, b, gx, cu, desc_x, HV=HV, M=M, backend=backend)[0]),
       "solve": jax.jit(lambda A: pk._solve(A, cu, desc_x, M=M, dtype=x["k"].dtype,
                                            backend=backend)),
       "wy": jax.jit(lambda k, v, b, gx, Ai: pk._wy(k, v, b, gx, Ai, cu, desc_x, M=M,

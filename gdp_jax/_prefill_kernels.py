@@ -4,9 +4,9 @@
 the "triton" and "interpret" backends, after the inputs were checked and the defaults filled.
 It runs, per call:
 
-    stage 0  L2 norms of q and k rows as factors (optional)        jnp, fused by XLA
+    stage 0  L2 norms of q and k rows as factors (optional)        inside stages 2 and 6
     stage 1  Gu (token stream), Gx (expanded stream)               chunk_cumsum, twice
-    stage 2  A = strict_lower(beta K K^T decay)                    chunk_kkt
+    stage 2  A = strict_lower(beta K K^T decay), key row factors   chunk_kkt
     stage 3  Ai = (I + A)^-1                                       chunk_solve
     stage 4  w, u                                                  chunk_wy
     stage 5  h (chunk states), v_new, final state / cache          chunk_h
@@ -134,9 +134,10 @@ def _rnorm(x: jax.Array) -> jax.Array:
   """Stage 0 (§4.2) as row factors: 1 / sqrt(sum(x^2) + 1e-6) over features, float32.
 
   Every use of a normalised q or k row in stages 2 to 6 is linear in that row, so the kernels
-  take the raw rows and scale their dot products by these factors: q and k are read once here
-  instead of read and written back normalised (1.6 GB at B=8 T=4096 H=32), and the normalised
-  rows are never rounded to the input dtype.
+  take the raw rows and scale their dot products by such factors, and the normalised rows are
+  never rounded to the input dtype or written back (1.6 GB at B=8 T=4096 H=32). Stage 2 computes
+  the key factors and stage 6 the query factors from the tiles they load anyway; this jnp twin
+  serves only the fused scan + output, which needs the query factors inside the scan.
   """
   xf = x.astype(jnp.float32)
   return jax.lax.rsqrt(jnp.sum(xf * xf, -1) + 1e-6)
@@ -157,19 +158,21 @@ def _cumsum(g, cu, desc, *, M, backend):
   return g_cum
 
 
-def _kkt(k, beta, gx, cu, desc, *, HV, M, backend, rk=None):
-  """Stage 2: A [T*M, HV, 64] float32; rk: [T*M, H] key row factors or None."""
+def _kkt(k, beta, gx, cu, desc, *, HV, M, backend, l2norm=False):
+  """Stage 2: A [T*M, HV, 64] float32, and with `l2norm` the key row factors rk [T*M, H]
+  (as _rnorm(k) on every row of a sequence; rows past cu_seqlens[N] are never written), else
+  None."""
   TM, H, K = k.shape
-  (A,) = _launch.call(
+  A, rk = _launch.call(
       "chunk_kkt.chunk_kkt_fwd_kernel", k, beta,
-      gx if gx is not None else _launch.placeholder(),
-      rk if rk is not None else _launch.placeholder(), cu, desc,
+      gx if gx is not None else _launch.placeholder(), cu, desc,
       grid=(desc.shape[0], HV),
-      out_shape=[jax.ShapeDtypeStruct((TM, HV, BT), jnp.float32)],
+      out_shape=[jax.ShapeDtypeStruct((TM, HV, BT), jnp.float32),
+                 jax.ShapeDtypeStruct((TM, H) if l2norm else (1,), jnp.float32)],
       backend=backend, num_warps=CONFIG.kkt_warps,
       H=H, HV=HV, K=K, M=M, BT=BT, BK=CONFIG.kkt_bk,
-      USE_G=gx is not None, USE_RNORM=rk is not None, DOT_PRECISION=_dot_precision(k.dtype))
-  return A
+      USE_G=gx is not None, USE_RNORM=l2norm, DOT_PRECISION=_dot_precision(k.dtype))
+  return A, (rk if l2norm else None)
 
 
 def _solve(A, cu, desc, *, M, dtype, backend):
@@ -278,16 +281,16 @@ def _scan(k, w, u, gx, cu, offsets, n_rows, *, M, h0, state_indices, final_kind,
 
 
 def _output(q, k, v_new, h, gu, state_indices, S, cu, desc, *, M, scale, out_dtype, backend,
-            rq=None, rk=None):
+            rk=None):
   """Stage 6: o [T, HV, V] in out_dtype; rows of tokens outside every sequence are unwritten.
-  rq, rk: None, or the row factors of q [T, H] and k [T*M, H]."""
+  rk: None, or the key row factors [T*M, H] of stage 2; then q is L2-normalised too, by
+  factors the kernel computes from the q rows it loads."""
   T, H, K = q.shape
   _, HV, V = v_new.shape
   bv = CONFIG.o_bv
   (o,) = _launch.call(
       "chunk_o.chunk_o_fwd_kernel", q, k, v_new, h,
       gu if gu is not None else _launch.placeholder(),
-      rq if rq is not None else _launch.placeholder(),
       rk if rk is not None else _launch.placeholder(),
       state_indices if state_indices is not None else _launch.placeholder(jnp.int32),
       cu, desc, S, float(scale),
@@ -296,7 +299,7 @@ def _output(q, k, v_new, h, gu, state_indices, S, cu, desc, *, M, scale, out_dty
       backend=backend, num_warps=CONFIG.o_warps, num_stages=CONFIG.o_stages,
       H=H, HV=HV, K=K, V=V, M=M, BT=BT, BK=CONFIG.o_bk, BV=bv,
       USE_G=gu is not None, HAS_STATE_INDICES=state_indices is not None,
-      USE_RNORM=rq is not None, DOT_PRECISION=_dot_precision(q.dtype))
+      USE_RNORM=rk is not None, DOT_PRECISION=_dot_precision(q.dtype))
   return o
 
 
@@ -318,7 +321,7 @@ def _chunk_gated_delta_product_fwd(
     scale: query scale.
     initial_state: [N, HV, K, V] or None (zeros).
     output_final_state: return the final state densely (ignored with `state`).
-    use_qk_l2norm_in_kernel: L2-normalise q and k rows (as float32 row factors, _rnorm).
+    use_qk_l2norm_in_kernel: L2-normalise q and k rows (float32 row factors, see _rnorm).
     cu_seqlens: [N+1] int32 token-stream sequence starts (B == 1), or None (N = B).
     state: [S, HV, K, V] cache read and written at `state_indices`, or None.
     state_indices: [N] int32 slot per sequence (outside [0, S): padding), or None (slot n).
@@ -349,9 +352,6 @@ def _chunk_gated_delta_product_fwd(
   q = q.reshape(B * T, H, K)
   k = k.reshape(B * T * M, H, K)
   v = v.reshape(B * T * M, HV, V)
-  # Stage 0 as row factors that the kernels apply after their dots.
-  rq = _rnorm(q) if use_qk_l2norm_in_kernel else None
-  rk = _rnorm(k) if use_qk_l2norm_in_kernel else None
   if state_indices is not None:
     state_indices = state_indices.astype(jnp.int32)
   if beta is None:
@@ -384,7 +384,8 @@ def _chunk_gated_delta_product_fwd(
   else:
     gu = gx = None
 
-  A = _kkt(k, beta, gx, cu, desc_x, HV=HV, M=M, backend=backend, rk=rk)
+  A, rk = _kkt(k, beta, gx, cu, desc_x, HV=HV, M=M, backend=backend,
+               l2norm=use_qk_l2norm_in_kernel)
   Ai = _solve(A, cu, desc_x, M=M, dtype=dtype, backend=backend)
   w, u = _wy(k, v, beta, gx, Ai, cu, desc_x, M=M, backend=backend, rk=rk)
 
@@ -405,9 +406,10 @@ def _chunk_gated_delta_product_fwd(
       h_dtype = want
     else:
       snap_dtype = want
-  fused = None
+  fused = rq = None
   if _fuse_output(CONFIG, N, HV, K, V):
     fused = (q, gu, scale, out_dtype, return_chunk_states)
+    rq = _rnorm(q) if use_qk_l2norm_in_kernel else None
   h, h_snap, v_new, final, o = _scan(
       k, w, u, gx, cu, offsets, n_rows, M=M, h0=h0, state_indices=state_indices,
       final_kind=final_kind, h_dtype=h_dtype, snap_dtype=snap_dtype, backend=backend,
@@ -416,7 +418,7 @@ def _chunk_gated_delta_product_fwd(
   if fused is None:
     S = state.shape[0] if state is not None else N
     o = _output(q, k, v_new, h, gu, state_indices, S, cu, desc_t, M=M, scale=scale,
-                out_dtype=out_dtype, backend=backend, rq=rq, rk=rk)
+                out_dtype=out_dtype, backend=backend, rk=rk)
 
   if cu_seqlens is not None:
     # Tokens past cu_seqlens[N] belong to no sequence and no program writes them (§5.4); a

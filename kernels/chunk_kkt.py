@@ -9,6 +9,11 @@ Keys come from key head hv // (HV // H) (grouped value heads are contiguous); be
 All 64 columns of every valid row are written, zeros included, so A is fully defined there; rows
 past the sequence end belong to the next sequence and are not touched.
 
+With USE_RNORM the keys are L2-normalised (§4.2) as float32 row factors rk = 1 / sqrt(|k|^2 +
+1e-6), applied to A's rows and columns after the dot. This stage reads every key row of every
+sequence anyway, so it computes rk from the tiles it loaded and stores it for stages 4 to 6
+(one writer per key head: the first of its value heads), instead of a separate pass over k.
+
 Grid: (number of expanded-chunk descriptors, HV). Program (i_d, i_hv) owns the 64x64 block of
 descriptor i_d and value head i_hv; a padding descriptor (sequence -1) returns at once.
 
@@ -26,11 +31,11 @@ def chunk_kkt_fwd_kernel(
     k,           # [T*M, H, K] expanded-stream keys
     beta,        # [T*M, HV]
     g_cum,       # [T*M, HV] float32 Gx (log2 units); a placeholder when USE_G is False
-    rk,          # [T*M, H] float32 1/|k| factors; a placeholder when USE_RNORM is False
     cu_seqlens,  # [N+1] int32 token-stream sequence starts
     chunk_desc,  # [NXD, 2] int32 (sequence, expanded chunk within it); sequence -1 = padding
     # outputs
     A,           # [T*M, HV, BT] float32
+    rk,          # [T*M, H] float32 1/|k| row factors; never written when USE_RNORM is False
     # sizes
     H: tl.constexpr,
     HV: tl.constexpr,
@@ -40,7 +45,7 @@ def chunk_kkt_fwd_kernel(
     BK: tl.constexpr,
     # flags
     USE_G: tl.constexpr,
-    USE_RNORM: tl.constexpr,  # keys L2-normalised by their row factors, applied after the dot
+    USE_RNORM: tl.constexpr,  # keys L2-normalised by row factors computed here
     DOT_PRECISION: tl.constexpr,  # "ieee" for float32 inputs, else the tensor-core default
 ):
   i_d, i_hv = tl.program_id(0), tl.program_id(1)
@@ -54,14 +59,20 @@ def chunk_kkt_fwd_kernel(
   p_k = k + row0 * (H * K) + i_h * K
 
   b_A = tl.zeros([BT, BT], dtype=tl.float32)
+  b_ss = tl.zeros([BT], dtype=tl.float32)
   for i_k in range(tl.cdiv(K, BK)):
     mask_k = i_k * BK + o_k < K
     b_k = tl.load(p_k + (o_r[:, None] * (H * K) + i_k * BK + o_k[None, :]),
                   mask=mask_r[:, None] & mask_k[None, :], other=0.)
     b_A += tl.dot(b_k, tl.trans(b_k), input_precision=DOT_PRECISION)
+    if USE_RNORM:
+      b_kf = b_k.to(tl.float32)
+      b_ss += tl.sum(b_kf * b_kf, 1)
 
   if USE_RNORM:
-    b_rk = tl.load(rk + row0 * H + (o_r * H + i_h), mask=mask_r, other=0.)
+    b_rk = tl.math.rsqrt(b_ss + 1e-6)
+    if i_hv % (HV // H) == 0:
+      tl.store(rk + row0 * H + (o_r * H + i_h), b_rk, mask=mask_r)
     b_A = b_A * (b_rk[:, None] * b_rk[None, :])
   b_beta = tl.load(beta + row0 * HV + (o_r * HV + i_hv), mask=mask_r, other=0.).to(tl.float32)
   m_A = (o_r[:, None] > o_r[None, :]) & mask_r[:, None]

@@ -11,6 +11,10 @@ K_j, D_j the rows t*M + j of k and v_new for the chunk's tokens t (row stride M*
         acc += cast((Q @ K_j^T) * Dec) @ D_j
     o = cast(scale * acc, o dtype)
 
+With USE_RNORM, q and k are L2-normalised (§4.2) by float32 row factors applied after the
+dots: the key factors rk come from stage 2; the query factors are computed here, from the q
+tiles this stage loads anyway (q is read by no other stage).
+
 Rows past the sequence end are neither loaded nor stored. With state indices, a sequence whose
 slot is outside [0, S) is padding and its output rows are written as zeros, without reading
 anything else (stage 5 skips such sequences, so their v_new rows are undefined).
@@ -38,7 +42,6 @@ def chunk_o_fwd_kernel(
     v_new,          # [T*M, HV, V] from stage 5, input dtype
     h,              # [NCR, HV, K, V] entering state of every token chunk (any float dtype)
     g_cum,          # [T, HV] float32 Gu (log2 units); a placeholder when USE_G is False
-    rq,             # [T, H] float32 1/|q| row factors; a placeholder when USE_RNORM is False
     rk,             # [T*M, H] float32 1/|k| row factors; a placeholder when USE_RNORM is False
     state_indices,  # [N] int32 slot per sequence; a placeholder without HAS_STATE_INDICES
     cu_seqlens,     # [N+1] int32 token-stream sequence starts
@@ -59,7 +62,7 @@ def chunk_o_fwd_kernel(
     # flags
     USE_G: tl.constexpr,
     HAS_STATE_INDICES: tl.constexpr,
-    USE_RNORM: tl.constexpr,  # q and k L2-normalised by their row factors, applied after dots
+    USE_RNORM: tl.constexpr,  # q and k L2-normalised by row factors, applied after the dots
     DOT_PRECISION: tl.constexpr,  # "ieee" for float32 inputs, else the tensor-core default
 ):
   i_d, i_v, i_hv = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -88,6 +91,7 @@ def chunk_o_fwd_kernel(
   p_h = h + (i_d.to(tl.int64) * HV + i_hv) * (K * V) + (o_k[:, None] * V + o_v[None, :])
 
   b_o = tl.zeros([BT, BV], dtype=tl.float32)
+  b_ss = tl.zeros([BT], dtype=tl.float32)
   for i_k in range(tl.cdiv(K, BK)):
     mask_k = i_k * BK + o_k < K
     b_q = tl.load(p_q + i_k * BK, mask=mask_t[:, None] & mask_k[None, :], other=0.)
@@ -95,9 +99,12 @@ def chunk_o_fwd_kernel(
     # Cast in registers: float32 -> input dtype rounds like a store would, so o does not
     # depend on the dtype h was kept in.
     b_o += tl.dot(b_q, b_h.to(b_q.dtype), input_precision=DOT_PRECISION)
+    if USE_RNORM:
+      b_qf = b_q.to(tl.float32)
+      b_ss += tl.sum(b_qf * b_qf, 1)
 
   if USE_RNORM:
-    b_rq = tl.load(rq + t0 * H + o_t * H + i_h, mask=mask_t, other=0.)
+    b_rq = tl.math.rsqrt(b_ss + 1e-6)
     b_o = b_o * b_rq[:, None]
   m_A = (o_t[:, None] >= o_t[None, :]) & mask_t[:, None] & mask_t[None, :]
   if USE_G:
