@@ -30,7 +30,8 @@ SMOKE_ROWS = [(1, 130, 1, 2, 32, 32, 2)]
 # Variants per stage: the fields of _PrefillConfig each one overrides.
 SWEEP = {
     "kkt": [dict(kkt_warps=w, kkt_bk=bk) for w in (2, 4, 8) for bk in (64, 128)],
-    "solve": [dict(solve_warps=w) for w in (1, 2, 4, 8)],
+    "solve": [dict(solve_warps=w, solve_precision=p) for w in (1, 2, 4, 8)
+              for p in ("ieee", "tf32x3", "tf32")],
     "wy": [dict(wy_warps=w, wy_bv=bv) for w in (2, 4, 8) for bv in (32, 64, 128)],
     # BV 16: twice the programs of BV 32 where few sequences x heads leave SMs idle (row 2).
     "scan": [dict(h_warps=w, h_stages=s, h_bv_wide=bv, h_bv_narrow=bv)

@@ -54,6 +54,10 @@ class _PrefillConfig:
   # with a barrier each. 0.113 against 0.226 ms (4 warps) at B=4 H=16, 0.78 against 1.71 ms at
   # B=8 H=32.
   solve_warps: int = 1
+  # Its off-diagonal 16x16 products on 16-bit inputs: "ieee" (float32 on the CUDA cores, the
+  # timed default), "tf32x3" (tensor cores, float32-level accuracy) or "tf32". Float32 inputs
+  # always take "ieee". Not timed yet: in the stage sweep.
+  solve_precision: str = "ieee"
   # Stage 4: one 64x64 Ai block times 128-wide slices of V (64 of K); 8 warps.
   wy_bk: int = 64
   wy_bv: int = 128
@@ -183,7 +187,8 @@ def _solve(A, cu, desc, *, M, dtype, backend):
       grid=(desc.shape[0], HV),
       out_shape=[jax.ShapeDtypeStruct((TM, HV, BT), dtype)],
       backend=backend, num_warps=CONFIG.solve_warps,
-      HV=HV, M=M, BT=BT)
+      HV=HV, M=M, BT=BT,
+      DOT_PRECISION="ieee" if jnp.dtype(dtype) == jnp.float32 else CONFIG.solve_precision)
   return Ai
 
 

@@ -9,8 +9,10 @@ I + A is unit lower triangular, and so is its inverse X. Both are split into a 4
    again from A (an L1 hit) rather than picked out of the register tile, which would take a
    second cross-thread reduction per row. The four blocks are independent and advance
    together (four dependency chains in flight); the loop stops at the chunk's valid rows.
-2. Off-diagonal blocks by increasing distance from the diagonal, with full-float32 dots:
-   X_pq = -X_pp @ sum_{m=q}^{p-1} A_pm @ X_mq.
+2. Off-diagonal blocks by increasing distance from the diagonal:
+   X_pq = -X_pp @ sum_{m=q}^{p-1} A_pm @ X_mq, with float32 operands at DOT_PRECISION: "ieee"
+   (exact float32 products, on the CUDA cores) or, for 16-bit outputs, "tf32x3" (three TF32
+   tensor-core products, float32-level accuracy) or "tf32" (one, about 1e-3 per product).
 3. All 16 blocks are stored in the output dtype (round to nearest even), the six above the
    diagonal as explicit zeros, because an output buffer under JAX is not zero-filled.
 
@@ -57,9 +59,8 @@ def _substitute_row(b_L, p_A, i_p, i, o_i, n, STRIDE: tl.constexpr):
 
 
 @triton.jit
-def _mm(a, b):
-  # The inverse feeds every later stage: full float32 products, no TF32.
-  return tl.dot(a, b, input_precision="ieee")
+def _mm(a, b, DOT_PRECISION: tl.constexpr):
+  return tl.dot(a, b, input_precision=DOT_PRECISION)
 
 
 @triton.jit
@@ -74,6 +75,7 @@ def chunk_solve_fwd_kernel(
     HV: tl.constexpr,
     M: tl.constexpr,
     BT: tl.constexpr,  # 64: the 4x4 split of 16x16 blocks is written out below
+    DOT_PRECISION: tl.constexpr,  # of the off-diagonal products: "ieee", "tf32x3" or "tf32"
 ):
   i_d, i_hv = tl.program_id(0), tl.program_id(1)
   i_n, row0, n = chunk_span(chunk_desc, cu_seqlens, i_d, M, BT)
@@ -109,15 +111,16 @@ def chunk_solve_fwd_kernel(
   b_A31 = _load_block(p_A, 3, 1, n, HV * BT)
   b_A32 = _load_block(p_A, 3, 2, n, HV * BT)
 
+  P: tl.constexpr = DOT_PRECISION
   # distance 1
-  b_X10 = -_mm(b_X11, _mm(b_A10, b_X00))
-  b_X21 = -_mm(b_X22, _mm(b_A21, b_X11))
-  b_X32 = -_mm(b_X33, _mm(b_A32, b_X22))
+  b_X10 = -_mm(b_X11, _mm(b_A10, b_X00, P), P)
+  b_X21 = -_mm(b_X22, _mm(b_A21, b_X11, P), P)
+  b_X32 = -_mm(b_X33, _mm(b_A32, b_X22, P), P)
   # distance 2
-  b_X20 = -_mm(b_X22, _mm(b_A20, b_X00) + _mm(b_A21, b_X10))
-  b_X31 = -_mm(b_X33, _mm(b_A31, b_X11) + _mm(b_A32, b_X21))
+  b_X20 = -_mm(b_X22, _mm(b_A20, b_X00, P) + _mm(b_A21, b_X10, P), P)
+  b_X31 = -_mm(b_X33, _mm(b_A31, b_X11, P) + _mm(b_A32, b_X21, P), P)
   # distance 3
-  b_X30 = -_mm(b_X33, _mm(b_A30, b_X00) + _mm(b_A31, b_X10) + _mm(b_A32, b_X20))
+  b_X30 = -_mm(b_X33, _mm(b_A30, b_X00, P) + _mm(b_A31, b_X10, P) + _mm(b_A32, b_X20, P), P)
 
   b_0 = tl.zeros([16, 16], dtype=tl.float32)
   _store_block(p_Ai, b_X00, 0, 0, n, HV * BT)
