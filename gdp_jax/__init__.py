@@ -6,12 +6,20 @@ decode step), `gated_delta_product_decode` and `accept_draft_tokens` (decode wit
 launch), `chunk_offsets` (where each packed sequence's chunk states start), and `reference`, the pure
 jax.numpy twins of all of them.
 """
+from importlib import metadata as _metadata
+
 from gdp_jax.decode import (accept_draft_tokens, fused_recurrent_gated_delta_rule,
                             gated_delta_product_decode)
 from gdp_jax.prefill import chunk_gated_delta_product
 from gdp_jax.prepare import gated_delta_product_decode_prepare
 
+try:
+  __version__ = _metadata.version("gdp-jax")
+except _metadata.PackageNotFoundError:  # imported from a source tree that was never installed
+  __version__ = "unknown"
+
 __all__ = [
+    "__version__",
     "accept_draft_tokens",
     "chunk_gated_delta_product",
     "chunk_offsets",

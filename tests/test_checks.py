@@ -186,3 +186,10 @@ def test_valid_arguments_pass():
   a = dict(state=_sd(5, HV, K, V), intermediate_states=_sd(5, 2, HV, K, V),
            state_indices=_sd(3, dtype=jnp.int32), num_accepted=_sd(3, dtype=jnp.int32))
   jax.eval_shape(lambda a: gdp_jax.accept_draft_tokens(**a), a)
+
+
+def test_version_is_the_installed_distributions():
+  import tomllib
+  from pathlib import Path
+  project = tomllib.loads((Path(__file__).parent.parent / "pyproject.toml").read_text())
+  assert gdp_jax.__version__ == project["project"]["version"]
