@@ -223,6 +223,16 @@ def test_prefill_gpu(c, fuse_output):
   check_prefill(c, "triton", seed=1)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("precision", ["tf32x3", "tf32"])
+def test_prefill_solve_precision_gpu(precision, monkeypatch):
+  """The solve's tensor-core variants (_PrefillConfig.solve_precision, timed by the stage sweep)
+  keep a bf16 prefill within its tolerance. Only a GPU can tell: the interpreter computes every
+  dot in float32 whatever the precision."""
+  monkeypatch.setattr(pk, "CONFIG", dataclasses.replace(pk.CONFIG, solve_precision=precision))
+  check_prefill(GPU_CASES[0], "triton", seed=2)
+
+
 @settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(data=st.data())
 def test_prefill_random_shapes(data):
