@@ -5,8 +5,8 @@ the "triton" and "interpret" backends, after the inputs were checked and the def
 It runs, per call:
 
     stage 0  L2 norms of q and k rows as factors (optional)        inside stages 2 and 6
-    stage 1  Gu (token stream), Gx (expanded stream)               chunk_cumsum, twice
-    stage 2  A = strict_lower(beta K K^T decay), key row factors   chunk_kkt
+    stage 1  Gx (expanded stream), Gu (token stream)               inside stages 2 and 6
+    stage 2  A = strict_lower(beta K K^T decay), Gx, key factors   chunk_kkt
     stage 3  Ai = (I + A)^-1                                       chunk_solve
     stage 4  w, u                                                  chunk_wy
     stage 5  h (chunk states), v_new, final state / cache          chunk_h
@@ -151,7 +151,10 @@ def _rnorm(x: jax.Array) -> jax.Array:
 
 
 def _cumsum(g, cu, desc, *, M, backend):
-  """Stage 1: [T, HV] float32 natural-log decays -> [T*M, HV] chunk-local log2 cumsums."""
+  """Stage 1: [T, HV] float32 natural-log decays -> [T*M, HV] chunk-local log2 cumsums.
+
+  The pipeline folds stage 1 into stages 2 and 6 (`_common.chunk_decays`); this launch serves
+  the fused scan + output, which needs Gu inside the scan."""
   T, HV = g.shape
   (g_cum,) = _launch.call(
       "chunk_cumsum.chunk_cumsum_fwd_kernel", g, cu, desc,
@@ -162,21 +165,25 @@ def _cumsum(g, cu, desc, *, M, backend):
   return g_cum
 
 
-def _kkt(k, beta, gx, cu, desc, *, HV, M, backend, l2norm=False):
-  """Stage 2: A [T*M, HV, 64] float32, and with `l2norm` the key row factors rk [T*M, H]
-  (as _rnorm(k) on every row of a sequence; rows past cu_seqlens[N] are never written), else
-  None."""
+def _kkt(k, beta, g, cu, desc, *, HV, M, backend, l2norm=False):
+  """Stage 2, with stage 1 on the expanded stream and the key half of stage 0 folded in.
+
+  g: [T, HV] float32 natural-log decays, or None. Returns A [T*M, HV, 64] float32; Gx
+  [T*M, HV] (what _cumsum(g, ..., M=M) gives) or None without g; and with `l2norm` the key row
+  factors rk [T*M, H] (as _rnorm(k)), else None. Rows past cu_seqlens[N] are never written.
+  """
   TM, H, K = k.shape
-  A, rk = _launch.call(
+  A, gx, rk = _launch.call(
       "chunk_kkt.chunk_kkt_fwd_kernel", k, beta,
-      gx if gx is not None else _launch.placeholder(), cu, desc,
+      g if g is not None else _launch.placeholder(), cu, desc,
       grid=(desc.shape[0], HV),
       out_shape=[jax.ShapeDtypeStruct((TM, HV, BT), jnp.float32),
+                 jax.ShapeDtypeStruct((TM, HV) if g is not None else (1,), jnp.float32),
                  jax.ShapeDtypeStruct((TM, H) if l2norm else (1,), jnp.float32)],
       backend=backend, num_warps=CONFIG.kkt_warps,
       H=H, HV=HV, K=K, M=M, BT=BT, BK=CONFIG.kkt_bk,
-      USE_G=gx is not None, USE_RNORM=l2norm, DOT_PRECISION=_dot_precision(k.dtype))
-  return A, (rk if l2norm else None)
+      USE_G=g is not None, USE_RNORM=l2norm, DOT_PRECISION=_dot_precision(k.dtype))
+  return A, (gx if g is not None else None), (rk if l2norm else None)
 
 
 def _solve(A, cu, desc, *, M, dtype, backend):
@@ -285,17 +292,18 @@ def _scan(k, w, u, gx, cu, offsets, n_rows, *, M, h0, state_indices, final_kind,
           o if fused is not None else None)
 
 
-def _output(q, k, v_new, h, gu, state_indices, S, cu, desc, *, M, scale, out_dtype, backend,
+def _output(q, k, v_new, h, g, state_indices, S, cu, desc, *, M, scale, out_dtype, backend,
             rk=None):
   """Stage 6: o [T, HV, V] in out_dtype; rows of tokens outside every sequence are unwritten.
-  rk: None, or the key row factors [T*M, H] of stage 2; then q is L2-normalised too, by
-  factors the kernel computes from the q rows it loads."""
+  g: [T, HV] float32 natural-log decays or None (the kernel takes their token-stream cumsum
+  Gu itself). rk: None, or the key row factors [T*M, H] of stage 2; then q is L2-normalised
+  too, by factors the kernel computes from the q rows it loads."""
   T, H, K = q.shape
   _, HV, V = v_new.shape
   bv = CONFIG.o_bv
   (o,) = _launch.call(
       "chunk_o.chunk_o_fwd_kernel", q, k, v_new, h,
-      gu if gu is not None else _launch.placeholder(),
+      g if g is not None else _launch.placeholder(),
       rk if rk is not None else _launch.placeholder(),
       state_indices if state_indices is not None else _launch.placeholder(jnp.int32),
       cu, desc, S, float(scale),
@@ -303,7 +311,7 @@ def _output(q, k, v_new, h, gu, state_indices, S, cu, desc, *, M, scale, out_dty
       out_shape=[jax.ShapeDtypeStruct((T, HV, V), out_dtype)],
       backend=backend, num_warps=CONFIG.o_warps, num_stages=CONFIG.o_stages,
       H=H, HV=HV, K=K, V=V, M=M, BT=BT, BK=CONFIG.o_bk, BV=bv,
-      USE_G=gu is not None, HAS_STATE_INDICES=state_indices is not None,
+      USE_G=g is not None, HAS_STATE_INDICES=state_indices is not None,
       USE_RNORM=rk is not None, DOT_PRECISION=_dot_precision(q.dtype))
   return o
 
@@ -384,13 +392,9 @@ def _chunk_gated_delta_product_fwd(
 
   if g is not None:
     g = g.reshape(B * T, HV).astype(jnp.float32)
-    gu = _cumsum(g, cu, desc_t, M=1, backend=backend)
-    gx = _cumsum(g, cu, desc_x, M=M, backend=backend)
-  else:
-    gu = gx = None
 
-  A, rk = _kkt(k, beta, gx, cu, desc_x, HV=HV, M=M, backend=backend,
-               l2norm=use_qk_l2norm_in_kernel)
+  A, gx, rk = _kkt(k, beta, g, cu, desc_x, HV=HV, M=M, backend=backend,
+                   l2norm=use_qk_l2norm_in_kernel)
   Ai = _solve(A, cu, desc_x, M=M, dtype=dtype, backend=backend)
   w, u = _wy(k, v, beta, gx, Ai, cu, desc_x, M=M, backend=backend, rk=rk)
 
@@ -413,6 +417,7 @@ def _chunk_gated_delta_product_fwd(
       snap_dtype = want
   fused = rq = None
   if _fuse_output(CONFIG, N, HV, K, V):
+    gu = _cumsum(g, cu, desc_t, M=1, backend=backend) if g is not None else None
     fused = (q, gu, scale, out_dtype, return_chunk_states)
     rq = _rnorm(q) if use_qk_l2norm_in_kernel else None
   h, h_snap, v_new, final, o = _scan(
@@ -422,7 +427,7 @@ def _chunk_gated_delta_product_fwd(
 
   if fused is None:
     S = state.shape[0] if state is not None else N
-    o = _output(q, k, v_new, h, gu, state_indices, S, cu, desc_t, M=M, scale=scale,
+    o = _output(q, k, v_new, h, g, state_indices, S, cu, desc_t, M=M, scale=scale,
                 out_dtype=out_dtype, backend=backend, rk=rk)
 
   if cu_seqlens is not None:

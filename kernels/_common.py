@@ -30,6 +30,20 @@ def chunk_span(chunk_desc, cu_seqlens, i_d, M: tl.constexpr, BT: tl.constexpr):
 
 
 @triton.jit
+def chunk_decays(g, row0, n, i_hv, HV: tl.constexpr, M: tl.constexpr, BT: tl.constexpr):
+  """Stage 1 for one chunk of a stream with M rows per token and one value head: the chunk-local
+  inclusive cumsum of g~[r] = g[r // M] on each token's first copy (0 on the others), in log2
+  units (ALGORITHM.md §4.3), exactly as chunk_cumsum computes each head's column. g is the
+  [T, HV] float32 token stream; row0 and n as chunk_span returns them. Rows at or past n hold
+  the chunk's total; callers mask them."""
+  o_r = tl.arange(0, BT)
+  row = row0 + o_r
+  b_g = tl.load(g + (row // M) * HV + i_hv, mask=(o_r < n) & (row % M == 0), other=0.)
+  # Scaled after the sum, so every kernel downstream can use exp2.
+  return tl.cumsum(b_g.to(tl.float32), axis=0) * 1.4426950216
+
+
+@triton.jit
 def decode_program(NV: tl.constexpr, HV: tl.constexpr, H: tl.constexpr):
   """The flat program id of a decode grid (N * HV * NV programs, V blocks innermost) as
   (V block, sequence, value head, key head): one axis, so N * HV has no 65535 cap."""

@@ -9,6 +9,10 @@ Keys come from key head hv // (HV // H) (grouped value heads are contiguous); be
 All 64 columns of every valid row are written, zeros included, so A is fully defined there; rows
 past the sequence end belong to the next sequence and are not touched.
 
+With USE_G the decays enter as the raw token stream g, and this stage also performs stage 1
+for its chunk and head (Gx, the chunk-local cumulative log2 decays, `_common.chunk_decays`) and
+stores it for stages 4 and 5: one launch fewer than a separate cumsum kernel.
+
 With USE_RNORM the keys are L2-normalised (§4.2) as float32 row factors rk = 1 / sqrt(|k|^2 +
 1e-6), applied to A's rows and columns after the dot. This stage reads every key row of every
 sequence anyway, so it computes rk from the tiles it loaded and stores it for stages 4 to 6
@@ -22,7 +26,7 @@ Parameter order: inputs, outputs, constexprs.
 import triton
 import triton.language as tl
 
-from ._common import chunk_span
+from ._common import chunk_decays, chunk_span
 
 
 @triton.jit
@@ -30,11 +34,12 @@ def chunk_kkt_fwd_kernel(
     # inputs
     k,           # [T*M, H, K] expanded-stream keys
     beta,        # [T*M, HV]
-    g_cum,       # [T*M, HV] float32 Gx (log2 units); a placeholder when USE_G is False
+    g,           # [T, HV] float32 natural-log decays per token; a placeholder when USE_G is False
     cu_seqlens,  # [N+1] int32 token-stream sequence starts
     chunk_desc,  # [NXD, 2] int32 (sequence, expanded chunk within it); sequence -1 = padding
     # outputs
     A,           # [T*M, HV, BT] float32
+    g_cum,       # [T*M, HV] float32 Gx (log2 units) of every sequence row; unwritten without USE_G
     rk,          # [T*M, H] float32 1/|k| row factors; never written when USE_RNORM is False
     # sizes
     H: tl.constexpr,
@@ -77,7 +82,8 @@ def chunk_kkt_fwd_kernel(
   b_beta = tl.load(beta + row0 * HV + (o_r * HV + i_hv), mask=mask_r, other=0.).to(tl.float32)
   m_A = (o_r[:, None] > o_r[None, :]) & mask_r[:, None]
   if USE_G:
-    b_g = tl.load(g_cum + row0 * HV + (o_r * HV + i_hv), mask=mask_r, other=0.)
+    b_g = chunk_decays(g, row0, n, i_hv, HV, M, BT)
+    tl.store(g_cum + row0 * HV + (o_r * HV + i_hv), b_g, mask=mask_r)
     # A select, not a product: above the diagonal Gx_a - Gx_b > 0 may overflow exp2 to inf.
     b_A = b_A * tl.where(m_A, tl.exp2(b_g[:, None] - b_g[None, :]), 0.)
   b_A = tl.where(m_A, b_A * b_beta[:, None], 0.)

@@ -11,6 +11,9 @@ K_j, D_j the rows t*M + j of k and v_new for the chunk's tokens t (row stride M*
         acc += cast((Q @ K_j^T) * Dec) @ D_j
     o = cast(scale * acc, o dtype)
 
+With USE_G the decays enter as the raw token stream g and Gu is computed here for the chunk
+(`_common.chunk_decays`, stage 1 on the token stream), which no other stage reads.
+
 With USE_RNORM, q and k are L2-normalised (§4.2) by float32 row factors applied after the
 dots: the key factors rk come from stage 2; the query factors are computed here, from the q
 tiles this stage loads anyway (q is read by no other stage).
@@ -31,7 +34,7 @@ Parameter order: inputs, outputs, constexprs.
 import triton
 import triton.language as tl
 
-from ._common import chunk_span
+from ._common import chunk_decays, chunk_span
 
 
 @triton.jit
@@ -41,7 +44,7 @@ def chunk_o_fwd_kernel(
     k,              # [T*M, H, K]
     v_new,          # [T*M, HV, V] from stage 5, input dtype
     h,              # [NCR, HV, K, V] entering state of every token chunk (any float dtype)
-    g_cum,          # [T, HV] float32 Gu (log2 units); a placeholder when USE_G is False
+    g,              # [T, HV] float32 natural-log decays; a placeholder when USE_G is False
     rk,             # [T*M, H] float32 1/|k| row factors; a placeholder when USE_RNORM is False
     state_indices,  # [N] int32 slot per sequence; a placeholder without HAS_STATE_INDICES
     cu_seqlens,     # [N+1] int32 token-stream sequence starts
@@ -108,7 +111,7 @@ def chunk_o_fwd_kernel(
     b_o = b_o * b_rq[:, None]
   m_A = (o_t[:, None] >= o_t[None, :]) & mask_t[:, None] & mask_t[None, :]
   if USE_G:
-    b_g = tl.load(g_cum + t0 * HV + o_t * HV + i_hv, mask=mask_t, other=0.)
+    b_g = chunk_decays(g, t0, n, i_hv, HV, 1, BT)
     b_o = b_o * tl.exp2(b_g)[:, None]
     # A select, not a product: above the diagonal Gu_a - Gu_b > 0 may overflow exp2 to inf.
     b_dec = tl.where(m_A, tl.exp2(b_g[:, None] - b_g[None, :]), 0.)

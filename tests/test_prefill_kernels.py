@@ -337,8 +337,12 @@ def test_stages(lens, M, K, dtype):
     live = ~np.isnan(ref[:, 0])
     assert_close(name, ref[live], _f(out)[live], 1e-6)
 
-  # Stage 2, from the kernel's Gx.
-  A, _ = pk._kkt(k, beta, gx, cu, desc_x, HV=HV, M=M, backend=be)
+  # Stage 2, with stage 1 on the expanded stream folded in: the Gx it stores is the cumsum
+  # kernel's (same loads, same scan, same scaling; bit for bit in the interpreter, which sums
+  # in order).
+  A, gx2, _ = pk._kkt(k, beta, g, cu, desc_x, HV=HV, M=M, backend=be)
+  gx_live = ~np.isnan(gx_ref[:, 0])
+  assert bits_equal(np.asarray(gx2)[gx_live], np.asarray(gx)[gx_live]), "Gx of chunk_kkt"
   A_np, gx_np, k_np, b_np = _f(A), _f(gx), _f(k), _f(beta)
   for r0, n in _chunks(cu_np, M):
     for hv in range(HV):
@@ -352,8 +356,8 @@ def test_stages(lens, M, K, dtype):
   # Stage 2 with the keys L2-normalised in the kernel: rows scaled by random factors give the
   # A of the unit keys above, and the row factors (one writer per key head) undo the scaling.
   sc = rng.uniform(0.3, 3.0, (T * M, H, 1))
-  A2, rk = pk._kkt(jnp.asarray(kk * sc, dt), beta, gx, cu, desc_x, HV=HV, M=M, backend=be,
-                   l2norm=True)
+  A2, _, rk = pk._kkt(jnp.asarray(kk * sc, dt), beta, g, cu, desc_x, HV=HV, M=M, backend=be,
+                      l2norm=True)
   rk_ref = 1 / np.sqrt(np.sum(_f(jnp.asarray(kk * sc, dt)) ** 2, -1) + 1e-6)
   for r0, n in _chunks(cu_np, M):
     assert_close("rk", rk_ref[r0:r0 + n], _f(rk)[r0:r0 + n], 1e-6)
@@ -405,7 +409,7 @@ def test_stages(lens, M, K, dtype):
 
   # Stage 6, from the kernel's h and v_new; slack rows stay unwritten here (the launcher masks).
   scale = K ** -0.5
-  o = pk._output(q, k, v_new, h, gu, None, N, cu, desc_t, M=M, scale=scale, out_dtype=dt,
+  o = pk._output(q, k, v_new, h, g, None, N, cu, desc_t, M=M, scale=scale, out_dtype=dt,
                  backend=be)
   o_np, q_np, gu_np = _f(o), _f(q), _f(gu)
   for j, (n, c) in enumerate(np.asarray(desc_t)):
