@@ -123,3 +123,40 @@ def test_gdp_decode_same_bits_from_torch_and_jax(backend, monkeypatch):
   assert bits_equal(np.asarray(o_jax.astype(jnp.float32)), o.float().cpu().numpy())
   assert bits_equal(np.asarray(cache_jax), cache.cpu().numpy())
   assert bits_equal(np.asarray(inter_jax), inter.cpu().numpy())
+
+
+@BACKEND
+def test_prefill_kkt_same_bits_from_torch_and_jax(backend):
+  """A prefill stage too: chunk_kkt (A, the decay cumsum Gx and the key row factors) over two
+  packed sequences, from torch and through the JAX launcher."""
+  torch = _torch(backend)
+  import jax.numpy as jnp
+  from gdp_jax import _prefill_kernels as pk
+  from gdp_jax import reference
+  from gdp_kernels.chunk_kkt import chunk_kkt_fwd_kernel
+  lens, H, HV, K, M = ((700, 300), 4, 8, 128, 2) if backend == "triton" else ((50, 20), 1, 2, 32, 2)
+  T = sum(lens)
+  x = _inputs(1, T * M, H, HV, K, 16, 1, seed=3)
+  k = x["k"][0]
+  beta, g = x["beta"][0], x["g"][0, :T]
+  cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+  desc = np.array(reference.chunk_descriptors(jnp.asarray(cu * M), (T * M) // 64 + len(lens)))
+
+  A_jax, gx_jax, rk_jax = pk._kkt(jnp.asarray(k, jnp.bfloat16), jnp.asarray(beta, jnp.bfloat16),
+                                  jnp.asarray(g), jnp.asarray(cu), jnp.asarray(desc), HV=HV, M=M,
+                                  backend=backend, l2norm=True)
+
+  dev = DEVICE
+  tt = lambda a, dt: torch.from_numpy(np.ascontiguousarray(a)).to(dev).to(dt)
+  A = torch.full((T * M, HV, 64), float("nan"), device=dev)
+  gx = torch.full((T * M, HV), float("nan"), device=dev)
+  rk = torch.full((T * M, H), float("nan"), device=dev)
+  chunk_kkt_fwd_kernel[(desc.shape[0], HV)](
+      tt(k, torch.bfloat16), tt(beta, torch.bfloat16), tt(g, torch.float32),
+      tt(cu, torch.int32), tt(desc, torch.int32), A, gx, rk,
+      H=H, HV=HV, K=K, M=M, BT=64, BK=pk.CONFIG.kkt_bk, USE_G=True, USE_RNORM=True,
+      DOT_PRECISION="tf32", num_warps=pk.CONFIG.kkt_warps, num_stages=2)  # _launch.call's
+  if GPU:
+    torch.cuda.synchronize()
+  for name, a, b in (("A", A_jax, A), ("Gx", gx_jax, gx), ("rk", rk_jax, rk)):
+    assert bits_equal(np.asarray(a), b.cpu().numpy()), name
