@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from gdp_jax import _configs, _launch
+from gdp_jax import _launch
 from gdp_jax.reference.chunked import chunk_descriptors, chunk_offsets
 
 # Chunk length on both streams. The solve kernel's 4x4 split of 16x16 blocks and the scan's
@@ -44,7 +44,7 @@ class _PrefillConfig:
   is one table row; the exception is stage 4 at K=256 V=512 (0.128 against 0.109 ms for 2 warps,
   2% of that prefill). Every config was checked there against the previous one's output.
   """
-  # Stage 1: 64 rows x all heads per program, a few hundred scalars; one warp is plenty.
+  # Stage 1 (its own kernel serves only the fused scan): 64 scalars per program; one warp.
   cumsum_warps: int = 1
   # Stage 2: 2 warps and a 128-wide K slice: 0.341 against 0.369 ms (4 warps, 64) at B=8 H=32.
   kkt_bk: int = 128
@@ -158,10 +158,10 @@ def _cumsum(g, cu, desc, *, M, backend):
   T, HV = g.shape
   (g_cum,) = _launch.call(
       "chunk_cumsum.chunk_cumsum_fwd_kernel", g, cu, desc,
-      grid=(desc.shape[0],),
+      grid=(desc.shape[0], HV),
       out_shape=[jax.ShapeDtypeStruct((T * M, HV), jnp.float32)],
       backend=backend, num_warps=CONFIG.cumsum_warps,
-      HV=HV, M=M, BT=BT, BHV=_configs._next_pow2(HV))
+      HV=HV, M=M, BT=BT)
   return g_cum
 
 
