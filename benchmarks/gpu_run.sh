@@ -12,7 +12,8 @@
 #   GDP_TEST_BUDGET (180), GDP_DECODE_BUDGET (180), GDP_PREFILL_BUDGET (150); GDP_TEST_WORKERS (6)
 #   test processes when pytest-xdist is there.
 # GDP_STEPS picks steps (default "tests,decode,prefill"; "stages" adds the per-stage prefill
-# breakdown, "notebooks" runs tests/test_notebooks.py with Jupyter from .whl/nb); GDP_BENCH_ARGS is appended to both
+# breakdown, "notebooks" runs tests/test_notebooks.py with Jupyter from .whl/nb, "beside" runs them
+# alongside the tests instead of before); GDP_BENCH_ARGS is appended to both
 # benchmark command lines (e.g. "--skip-fla", or "--cpu-smoke" to rehearse this script on a CPU
 # machine), GDP_DECODE_ARGS / GDP_PREFILL_ARGS to one (e.g. GDP_STEPS=decode
 # GDP_DECODE_ARGS="--parts copy,sweep" for a second call that only sweeps decode configs);
@@ -77,6 +78,37 @@ print("jax devices:", jax.devices())
 EOF
 } 2>&1 | tee -a "$LOG"
 
+# 2a. (GDP_STEPS=...,notebooks) The notebooks top to bottom on the GPU (their kernels run through
+#     jax-triton there). The device has no Jupyter: `.whl/nb/` holds nbformat, nbclient, ipykernel
+#     and their dependencies as py3.12 wheels (see benchmarks/NOTES.md for the download command);
+#     they go into their own folder, last on the path, so they shadow nothing of jax or torch.
+#     With GDP_STEPS=...,notebooks,beside,... they run in the background while the tests run (both
+#     are mostly compilation on the CPU, which has 16 cores), and the benchmarks wait for both.
+run_notebooks() {
+  stamp "notebooks (cap ${GDP_NOTEBOOK_BUDGET:-420}s)"
+  NB_SITE=/tmp/nbsite
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target "$NB_SITE" "$REPO"/.whl/nb/*.whl >>"$LOG" 2>&1 || stamp "installing .whl/nb failed"
+  # One process per notebook test (pytest-xdist), so the cap bounds the slowest notebook, not
+  # their sum; -rA prints each notebook's seconds per cell, passed or not. The cap's SIGINT
+  # reaches the notebooks' kernels too: a capped run reads "KeyboardInterrupt" in a cell
+  # (2026-11-30: the two notebooks together overran 290 s on the H200).
+  NB_PAR=()
+  python3 -c "import xdist" 2>/dev/null && NB_PAR=(-n 4)
+  XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONPATH="$PYTHONPATH:$NB_SITE" \
+    timeout -s INT -k 10 "${GDP_NOTEBOOK_BUDGET:-420}" \
+    python3 -m pytest -q -rA ${NB_PAR[@]+"${NB_PAR[@]}"} tests/test_notebooks.py \
+    >"$OUT/notebooks.log" 2>&1
+  rc=$?
+  grep -a "seconds per code cell" "$OUT/notebooks.log"
+  tail -n 40 "$OUT/notebooks.log"
+  stamp "notebook tests exit $rc"
+}
+NB_PID=
+if [[ $STEPS == *,notebooks,* ]]; then
+  if [[ $STEPS == *,beside,* ]]; then run_notebooks & NB_PID=$!; else run_notebooks; fi
+fi
+
 # 2. The GPU tests, all of them (no -x), each capped by pytest-timeout, the whole step by
 #    `timeout` (SIGINT first, so pytest still prints its summary of what ran).
 if [[ $STEPS == *,tests,* ]]; then
@@ -96,26 +128,7 @@ if [[ $STEPS == *,tests,* ]]; then
   tail -n 60 "$OUT/gpu_tests.log"
   stamp "$msg"
 fi
-
-# 2b. (GDP_STEPS=...,notebooks) The notebooks top to bottom on the GPU (their kernels run through
-#     jax-triton there). The device has no Jupyter: `.whl/nb/` holds nbformat, nbclient, ipykernel
-#     and their dependencies as py3.12 wheels (see benchmarks/NOTES.md for the download command);
-#     they go into their own folder, last on the path, so they shadow nothing of jax or torch.
-if [[ $STEPS == *,notebooks,* ]]; then
-  stamp "notebooks (cap ${GDP_NOTEBOOK_BUDGET:-420}s)"
-  NB_SITE=/tmp/nbsite
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target "$NB_SITE" "$REPO"/.whl/nb/*.whl >>"$LOG" 2>&1 || stamp "installing .whl/nb failed"
-  # -x: the first failure's report is printed at once, before a cap can cut the log short.
-  # The cap's SIGINT reaches the notebook's kernel too (same process group): a capped run reads
-  # "DeadKernelError: Kernel died" (2026-11-30: the quickstart took over 150 s on the H200).
-  XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONPATH="$PYTHONPATH:$NB_SITE" \
-    timeout -s INT -k 10 "${GDP_NOTEBOOK_BUDGET:-420}" \
-    python3 -m pytest -x -q -ra tests/test_notebooks.py >"$OUT/notebooks.log" 2>&1
-  rc=$?
-  tail -n 40 "$OUT/notebooks.log"
-  stamp "notebook tests exit $rc"
-fi
+[ -n "$NB_PID" ] && wait "$NB_PID"
 
 # 3. + 4. Benchmarks. The scripts stop starting rows a margin before their cap (--budget-s) and
 #    write their JSON after every row, so a capped run still returns what it measured.

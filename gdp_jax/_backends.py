@@ -1,10 +1,12 @@
-"""Resolves the `backend` argument of every entry point.
+"""Resolves the `backend` argument of every entry point, and runs each call as one jit program.
 
 "auto" runs the Triton kernels through jax_triton on a GPU and the jnp references elsewhere;
 "triton" forces the kernels, "reference" the references, and "interpret" runs the very same
 Triton kernels on the CPU through Triton's interpreter.
 """
 from __future__ import annotations
+
+import functools
 
 import jax
 
@@ -23,3 +25,27 @@ def resolve(backend: str) -> str:
         f"{jax.default_backend()!r}); use backend='interpret' to run the same kernels on the "
         "CPU, or backend='reference'.")
   return backend
+
+
+def _settings():
+  """The module-level settings the launchers read while tracing (benchmarks and tests change
+  them): the prefill block table and the decode kernel choice."""
+  from gdp_jax import _configs, _prefill_kernels
+  return (_prefill_kernels.CONFIG, _configs.DECODE_OVERRIDE, _configs.GDP_DECODE_KERNEL)
+
+
+@functools.lru_cache(maxsize=None)
+def _jitted(fn, static, settings):
+  del settings  # part of the key only: fn reads the same values from their modules
+  return jax.jit(lambda arrays: fn(**arrays, **dict(static)))
+
+
+def call_jitted(fn, arrays, **static):
+  """fn(**arrays, **static) as one jax.jit program per (fn, static arguments, settings).
+
+  An eager call then runs one compiled program instead of dispatching each jnp op on its own
+  (which on a GPU means an XLA compilation per op and shape: minutes for a notebook), and under
+  an outer jax.jit it inlines. `arrays` maps names to arrays or None; `static` values must be
+  hashable. The settings are in the key, so changing one traces anew instead of reusing a
+  program built under the old value."""
+  return _jitted(fn, tuple(sorted(static.items())), _settings())(arrays)

@@ -52,14 +52,16 @@ def fused_recurrent_gated_delta_rule(
       steps_per_token=steps_per_token)
   scale = dims.K ** -0.5 if scale is None else float(scale)
   backend = _backends.resolve(backend)
-  kwargs = dict(scale=scale, initial_state=initial_state, output_final_state=output_final_state,
-                use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, cu_seqlens=cu_seqlens,
-                state=state, state_indices=state_indices, intermediate_states=intermediate_states,
-                steps_per_token=steps_per_token)
+  arrays = dict(q=q, k=k, v=v, g=g, beta=beta, initial_state=initial_state,
+                cu_seqlens=cu_seqlens, state=state, state_indices=state_indices,
+                intermediate_states=intermediate_states)
+  static = dict(scale=scale, output_final_state=output_final_state,
+                use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, steps_per_token=steps_per_token)
   if backend == "reference":
     from gdp_jax import reference
-    return reference.fused_recurrent_gated_delta_rule(q, k, v, g, beta, **kwargs)
-  return _fused_recurrent_fwd(q, k, v, g, beta, dims=dims, backend=backend, **kwargs)
+    return _backends.call_jitted(reference.fused_recurrent_gated_delta_rule, arrays, **static)
+  return _backends.call_jitted(_fused_recurrent_fwd, arrays, dims=dims, backend=backend,
+                               **static)
 
 
 def _fused_recurrent_fwd(q, k, v, g, beta, *, dims, backend, scale, initial_state,
@@ -149,20 +151,30 @@ def gated_delta_product_decode(q, k, v, g, beta, *, num_householder, state, stat
                                   state_indices=state_indices,
                                   intermediate_states=intermediate_states, scale=scale)
   backend = _backends.resolve(backend)
+  arrays = dict(q=q, k=k, v=v, g=g, beta=beta, state=state, state_indices=state_indices,
+                intermediate_states=intermediate_states)
+  static = dict(num_householder=num_householder,
+                use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
   if backend == "reference":
     from gdp_jax import reference
-    return reference.gated_delta_product_decode(
-        q, k, v, g, beta, num_householder=num_householder, state=state,
-        state_indices=state_indices, intermediate_states=intermediate_states, scale=scale,
-        use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
+    return _backends.call_jitted(reference.gated_delta_product_decode, arrays, scale=scale,
+                                 **static)
+  scale = dims.K ** -0.5 if scale is None else float(scale)
+  return _backends.call_jitted(_gdp_decode_kernels, arrays, scale=scale, dims=dims,
+                               backend=backend, **static)
+
+
+def _gdp_decode_kernels(q, k, v, g, beta, *, num_householder, state, state_indices,
+                        intermediate_states, scale, use_qk_l2norm_in_kernel, dims, backend):
   M = num_householder
   N, D, H, K = q.shape
-  scale = dims.K ** -0.5 if scale is None else float(scale)
   if _configs.GDP_DECODE_KERNEL == "native":
     return _gdp_decode_fwd(q, k, v, g, beta, M=M, dims=dims, state=state,
                            state_indices=state_indices, intermediate_states=intermediate_states,
                            scale=scale, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
                            backend=backend)
+  # The fold: token t's M rows run through the fused recurrent kernel as M steps, the query
+  # (zeros but on the last step) and the decay (on the first) spread over them.
   q_fold = jnp.zeros((N, D, M, H, K), q.dtype).at[:, :, M - 1].set(q).reshape(N, D * M, H, K)
   g_fold = None
   if g is not None:
@@ -227,6 +239,12 @@ def accept_draft_tokens(state, intermediate_states, state_indices, num_accepted)
     The updated cache, [S, HV, K, V] in state.dtype.
   """
   _checks.check_accept(state, intermediate_states, state_indices, num_accepted)
+  return _backends.call_jitted(_accept, dict(
+      state=state, intermediate_states=intermediate_states, state_indices=state_indices,
+      num_accepted=num_accepted))
+
+
+def _accept(state, intermediate_states, state_indices, num_accepted):
   S, D = intermediate_states.shape[:2]
   idx = state_indices.astype(jnp.int32)
   n = num_accepted.astype(jnp.int32)

@@ -58,14 +58,15 @@ def chunk_gated_delta_product(
       state_indices=state_indices, chunk_states_dtype=chunk_states_dtype)
   scale = dims.K ** -0.5 if scale is None else float(scale)
   backend = _backends.resolve(backend)
-  kwargs = dict(num_householder=num_householder, scale=scale, initial_state=initial_state,
+  arrays = dict(q=q, k=k, v=v, g=g, beta=beta, initial_state=initial_state,
+                cu_seqlens=cu_seqlens, state=state, state_indices=state_indices)
+  static = dict(num_householder=num_householder, scale=scale,
                 output_final_state=output_final_state,
-                use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, cu_seqlens=cu_seqlens,
-                state=state, state_indices=state_indices, return_chunk_states=return_chunk_states,
-                chunk_states_dtype=chunk_states_dtype)
+                use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+                return_chunk_states=return_chunk_states, chunk_states_dtype=chunk_states_dtype)
   if backend == "reference":
     from gdp_jax import reference
-    return reference.chunk_gated_delta_product(q, k, v, g, beta, **kwargs)
+    return _backends.call_jitted(reference.chunk_gated_delta_product, arrays, **static)
   if k.dtype not in (jnp.bfloat16, jnp.float16, jnp.float32):
     # The chunked kernels multiply in the dtype of k (tensor cores for 16-bit, ieee float32
     # dots for float32); other dtypes have no tested path there.
@@ -73,4 +74,5 @@ def chunk_gated_delta_product(
         f"backend={backend!r}: the chunked kernels take bfloat16, float16 or float32 keys, got "
         f"{k.dtype}; cast the inputs, or use backend='reference' for float64")
   from gdp_jax._prefill_kernels import _chunk_gated_delta_product_fwd
-  return _chunk_gated_delta_product_fwd(q, k, v, g, beta, backend=backend, **kwargs)
+  return _backends.call_jitted(_chunk_gated_delta_product_fwd, arrays, backend=backend,
+                               **static)

@@ -66,8 +66,10 @@ def gated_delta_product_decode_prepare(q, k, v, a, b, A_log, dt_bias, *, num_hou
   backend = _backends.resolve(backend)
   if backend == "reference":
     from gdp_jax.reference import prepare as reference_prepare
-    return reference_prepare.gated_delta_product_decode_prepare(
-        q, k, v, a, b, A_log, dt_bias, num_householder=M, allow_neg_eigval=allow_neg_eigval)
+    return _backends.call_jitted(
+        reference_prepare.gated_delta_product_decode_prepare,
+        dict(q=q, k=k, v=v, a=a, b=b, A_log=A_log, dt_bias=dt_bias), num_householder=M,
+        allow_neg_eigval=bool(allow_neg_eigval))
   BH, BK = _configs._next_pow2(H), _configs._next_pow2(K)
   f32 = jnp.float32
   out_shape = (

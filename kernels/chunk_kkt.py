@@ -15,8 +15,11 @@ stores it for stages 4 and 5: one launch fewer than a separate cumsum kernel.
 
 With USE_RNORM the keys are L2-normalised (§4.2) as float32 row factors rk = 1 / sqrt(|k|^2 +
 1e-6), applied to A's rows and columns after the dot. This stage reads every key row of every
-sequence anyway, so it computes rk from the tiles it loaded and stores it for stages 4 to 6
-(one writer per key head: the first of its value heads), instead of a separate pass over k.
+sequence anyway, so it computes rk and stores it for stages 4 to 6 (one writer per key head:
+the first of its value heads), instead of a separate pass over k. |k_a|^2 is read off the
+diagonal of the unscaled K K^T (exact products, float32 sums), not summed from the key tiles:
+a tile that feeds a Hopper tensor-core dot and a register reduction in the same pipelined
+K loop came out wrong on the H200 (bfloat16, K = 256: two slices; benchmarks/NOTES.md).
 
 Grid: (number of expanded-chunk descriptors, HV). Program (i_d, i_hv) owns the 64x64 block of
 descriptor i_d and value head i_hv; a padding descriptor (sequence -1) returns at once.
@@ -64,17 +67,14 @@ def chunk_kkt_fwd_kernel(
   p_k = k + row0 * (H * K) + i_h * K
 
   b_A = tl.zeros([BT, BT], dtype=tl.float32)
-  b_ss = tl.zeros([BT], dtype=tl.float32)
   for i_k in range(tl.cdiv(K, BK)):
     mask_k = i_k * BK + o_k < K
     b_k = tl.load(p_k + (o_r[:, None] * (H * K) + i_k * BK + o_k[None, :]),
                   mask=mask_r[:, None] & mask_k[None, :], other=0.)
     b_A += tl.dot(b_k, tl.trans(b_k), input_precision=DOT_PRECISION)
-    if USE_RNORM:
-      b_kf = b_k.to(tl.float32)
-      b_ss += tl.sum(b_kf * b_kf, 1)
 
   if USE_RNORM:
+    b_ss = tl.sum(tl.where(o_r[:, None] == o_r[None, :], b_A, 0.), 1)
     b_rk = tl.math.rsqrt(b_ss + 1e-6)
     if i_hv % (HV // H) == 0:
       tl.store(rk + row0 * H + (o_r * H + i_h), b_rk, mask=mask_r)

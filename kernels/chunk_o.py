@@ -15,8 +15,10 @@ With USE_G the decays enter as the raw token stream g and Gu is computed here fo
 (`_common.chunk_decays`, stage 1 on the token stream), which no other stage reads.
 
 With USE_RNORM, q and k are L2-normalised (§4.2) by float32 row factors applied after the
-dots: the key factors rk come from stage 2; the query factors are computed here, from the q
-tiles this stage loads anyway (q is read by no other stage).
+dots: the key factors rk come from stage 2; the query factors are computed here (q is read by
+no other stage), in a loop of their own: a q tile that feeds a Hopper tensor-core dot and a
+register reduction in the same pipelined K loop came out wrong on the H200 (bfloat16, K = 256;
+benchmarks/NOTES.md).
 
 Rows past the sequence end are neither loaded nor stored. With state indices, a sequence whose
 slot is outside [0, S) is padding and its output rows are written as zeros, without reading
@@ -94,7 +96,6 @@ def chunk_o_fwd_kernel(
   p_h = h + (i_d.to(tl.int64) * HV + i_hv) * (K * V) + (o_k[:, None] * V + o_v[None, :])
 
   b_o = tl.zeros([BT, BV], dtype=tl.float32)
-  b_ss = tl.zeros([BT], dtype=tl.float32)
   for i_k in range(tl.cdiv(K, BK)):
     mask_k = i_k * BK + o_k < K
     b_q = tl.load(p_q + i_k * BK, mask=mask_t[:, None] & mask_k[None, :], other=0.)
@@ -102,11 +103,14 @@ def chunk_o_fwd_kernel(
     # Cast in registers: float32 -> input dtype rounds like a store would, so o does not
     # depend on the dtype h was kept in.
     b_o += tl.dot(b_q, b_h.to(b_q.dtype), input_precision=DOT_PRECISION)
-    if USE_RNORM:
-      b_qf = b_q.to(tl.float32)
-      b_ss += tl.sum(b_qf * b_qf, 1)
 
   if USE_RNORM:
+    b_ss = tl.zeros([BT], dtype=tl.float32)
+    for i_k in range(tl.cdiv(K, BK)):
+      mask_k = i_k * BK + o_k < K
+      b_qf = tl.load(p_q + i_k * BK, mask=mask_t[:, None] & mask_k[None, :], other=0.)
+      b_qf = b_qf.to(tl.float32)
+      b_ss += tl.sum(b_qf * b_qf, 1)
     b_rq = tl.math.rsqrt(b_ss + 1e-6)
     b_o = b_o * b_rq[:, None]
   m_A = (o_t[:, None] >= o_t[None, :]) & mask_t[:, None] & mask_t[None, :]

@@ -5,6 +5,7 @@ notebooks see the package as installed here, whatever `python` comes first on PA
 performance notebook runs twice: without benchmark files (it must say so and plot nothing) and
 with small benchmark files in the benchmarks' JSON layout (it must plot).
 """
+import datetime
 import json
 import pathlib
 import re
@@ -44,7 +45,10 @@ def run_notebook(tmp_path, monkeypatch):
     nb = nbformat.read(NOTEBOOKS / name, as_version=4)
     client = nbclient.NotebookClient(nb, kernel_name="python3", timeout=300,
                                      resources={"metadata": {"path": str(NOTEBOOKS)}})
-    client.execute()                    # raises CellExecutionError on the first failing cell
+    try:
+      client.execute()                  # raises CellExecutionError on the first failing cell
+    finally:
+      print(f"{name}: seconds per code cell:", _cell_seconds(nb))
     texts, images = [], 0
     for cell in nb.cells:
       for out in cell.get("outputs", []):
@@ -56,6 +60,21 @@ def run_notebook(tmp_path, monkeypatch):
     return "".join(texts), images
 
   return run
+
+
+def _cell_seconds(nb):
+  """Wall time of each code cell that started, from nbclient's timing metadata (where a slow
+  machine spends its time; a cell cut short counts to now)."""
+  now = datetime.datetime.now(datetime.timezone.utc)
+  out = []
+  for cell in nb.cells:
+    t = cell.get("metadata", {}).get("execution", {})
+    if cell.cell_type == "code" and "iopub.status.busy" in t:
+      start = datetime.datetime.fromisoformat(t["iopub.status.busy"])
+      end = t.get("iopub.status.idle")
+      out.append(round(((datetime.datetime.fromisoformat(end) if end else now) - start)
+                       .total_seconds(), 1))
+  return out
 
 
 def _checks(text, pattern):

@@ -303,7 +303,9 @@ def _f(x):
     ((65, 0, 30, 64), 3, 32, "float32"),
     ((100, 1), 2, 100, "float32"),
     ((70,), 2, 32, "bfloat16"),
-], ids=["varlen-M3-K32", "varlen-M2-K100", "M2-K32-bf16"])
+    # Two 128-wide K slices per tensor-core dot loop: where the H200 once got the row norms wrong.
+    pytest.param((1000, 300), 2, 256, "bfloat16", marks=pytest.mark.gpu),
+], ids=["varlen-M3-K32", "varlen-M2-K100", "M2-K32-bf16", "gpu-varlen-M2-K256-bf16"])
 def test_stages(lens, M, K, dtype):
   rng = np.random.default_rng(7)
   H, HV, V = 1, 2, 16
@@ -427,6 +429,15 @@ def test_stages(lens, M, K, dtype):
         ref += ((qc @ k_np[rows, hv // G].T) * dec) @ vn_np[rows, hv]
       assert_close("o", scale * ref, o_np[t0:t0 + nt, hv], stored_tol)
 
+  # Stage 6 with q and k L2-normalised in the kernel: scaled query rows, and the scaled keys
+  # with stage 2's factors for them, give the output of unit rows: o above over |q| per row.
+  sq = rng.uniform(0.3, 3.0, (T, H, 1))
+  o2 = pk._output(jnp.asarray(q_np * sq, dt), jnp.asarray(kk * sc, dt), v_new, h, g, None, N,
+                  cu, desc_t, M=M, scale=scale, out_dtype=dt, backend=be, rk=rk)
+  live = np.arange(T) < cu_np[-1]
+  ref = o_np / np.repeat(np.linalg.norm(q_np, axis=-1), G, axis=1)[:, :, None]
+  assert_close("o (l2norm)", ref[live], _f(o2)[live], stored_tol)
+
 
 # --- invariants and equivalences ---------------------------------------------------------------
 
@@ -485,6 +496,25 @@ def test_matches_folded_decode():
       backend=KERNEL_BACKEND)
   assert_close("o", o_d, o, 1e-5)
   assert_close("state", cache_d, cache, 1e-5)
+
+
+def test_eager_call_is_one_program_per_config(monkeypatch):
+  """An eager call runs one jitted program, reused for the same shapes; a changed block table
+  (what the fuse_output fixture and the benchmarks do) builds a new one instead of reusing a
+  program traced under the old table."""
+  from gdp_jax import _backends
+  c = Case(B=1, T=70, HV=2, K=16, V=16, M=2)
+  a, kw = make_inputs(c, seed=9)
+  run = lambda: gdp_jax.chunk_gated_delta_product(**a, **kw, backend=KERNEL_BACKEND)
+  first = run()
+  misses = _backends._jitted.cache_info().misses
+  again = run()
+  assert _backends._jitted.cache_info().misses == misses, "same call, new program"
+  assert all(bits_equal(x, y) for x, y in zip(first, again))
+  monkeypatch.setattr(pk, "CONFIG", dataclasses.replace(pk.CONFIG, fuse_output="on"))
+  fused = run()
+  assert _backends._jitted.cache_info().misses == misses + 1, "changed config, old program"
+  assert_close("o (fused)", first[0], fused[0], 1e-5)
 
 
 def test_jit_traced_cu_seqlens_compiles_once():
