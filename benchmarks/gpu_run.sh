@@ -120,7 +120,9 @@ if [[ $STEPS == *,tests,* ]]; then
   WORKERS=${GDP_TEST_WORKERS:-6}
   python3 -c "import xdist" 2>/dev/null && [ "$WORKERS" -gt 1 ] && PER_TEST+=(-n "$WORKERS")
   XLA_PYTHON_CLIENT_PREALLOCATE=false \
-  timeout -s INT -k 10 "$T_TESTS" python3 -m pytest -m gpu -q -ra ${PER_TEST[@]+"${PER_TEST[@]}"} tests/ \
+  # GDP_TEST_ARGS: extra pytest arguments, e.g. -k to rerun a few tests.
+  timeout -s INT -k 10 "$T_TESTS" python3 -m pytest -m gpu -q -ra ${PER_TEST[@]+"${PER_TEST[@]}"} \
+    ${GDP_TEST_ARGS:-} tests/ \
     >"$OUT/gpu_tests.log" 2>&1
   rc=$?
   msg="pytest exit $rc$([ $rc -eq 124 ] && echo ' (TIMED OUT: the counts below cover what ran)')"
