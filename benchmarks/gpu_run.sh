@@ -109,7 +109,7 @@ if [[ $STEPS == *,notebooks,* ]]; then
   if [[ $STEPS == *,beside,* ]]; then run_notebooks & NB_PID=$!; else run_notebooks; fi
 fi
 
-# 2. The GPU tests, all of them (no -x), each capped by pytest-timeout, the whole step by
+# 2. The GPU tests, all of them (no -x; -v names each, so a capped run says which ran), each capped by pytest-timeout, the whole step by
 #    `timeout` (SIGINT first, so pytest still prints its summary of what ran).
 if [[ $STEPS == *,tests,* ]]; then
   stamp "pytest -m gpu (cap ${T_TESTS}s)"
@@ -121,7 +121,7 @@ if [[ $STEPS == *,tests,* ]]; then
   python3 -c "import xdist" 2>/dev/null && [ "$WORKERS" -gt 1 ] && PER_TEST+=(-n "$WORKERS")
   XLA_PYTHON_CLIENT_PREALLOCATE=false \
   # GDP_TEST_ARGS: extra pytest arguments, e.g. -k to rerun a few tests.
-  timeout -s INT -k 10 "$T_TESTS" python3 -m pytest -m gpu -q -ra ${PER_TEST[@]+"${PER_TEST[@]}"} \
+  timeout -s INT -k 10 "$T_TESTS" python3 -m pytest -m gpu -v -ra ${PER_TEST[@]+"${PER_TEST[@]}"} \
     ${GDP_TEST_ARGS:-} tests/ \
     >"$OUT/gpu_tests.log" 2>&1
   rc=$?
