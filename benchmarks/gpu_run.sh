@@ -119,8 +119,10 @@ if [[ $STEPS == *,tests,* ]]; then
   # GDP_TEST_WORKERS processes (pytest-xdist), which share the GPU, so none may preallocate it.
   WORKERS=${GDP_TEST_WORKERS:-6}
   python3 -c "import xdist" 2>/dev/null && [ "$WORKERS" -gt 1 ] && PER_TEST+=(-n "$WORKERS")
+  # GDP_TEST_ARGS: extra pytest arguments, e.g. -k to rerun a few tests. (A comment inside the
+  # command's continued lines once cut the environment setting off it: every worker then
+  # preallocated 75% of the GPU, and the tests failed out of memory.)
   XLA_PYTHON_CLIENT_PREALLOCATE=false \
-  # GDP_TEST_ARGS: extra pytest arguments, e.g. -k to rerun a few tests.
   timeout -s INT -k 10 "$T_TESTS" python3 -m pytest -m gpu -v -ra ${PER_TEST[@]+"${PER_TEST[@]}"} \
     ${GDP_TEST_ARGS:-} tests/ \
     >"$OUT/gpu_tests.log" 2>&1
