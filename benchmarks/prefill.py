@@ -139,27 +139,6 @@ class Bench:
     print(f"[prefill] first call {shape}: lower (Triton compile) {t1 - t0:.2f} s, "
           f"XLA compile {t2 - t1:.2f} s, first run {t3 - t2:.3f} s")
 
-  def other_output_mode(self, row, M, args, o, ht):
-    """The same call with stage 6 fused into the scan if it was separate, or separate if it was
-    fused (`_PrefillConfig.fuse_output`): time and agreement with the default mode."""
-    import dataclasses
-    from gdp_jax import _prefill_kernels as pk
-    default = pk.CONFIG
-    N, HV, K, V = args[0].shape[0], args[2].shape[2], args[1].shape[3], args[2].shape[3]
-    fused = pk._fuse_output(default, N, HV, K, V)
-    row["default_fused"] = fused
-    pk.CONFIG = dataclasses.replace(default, fuse_output="off" if fused else "on")
-    try:
-      f = self.ours_fn(M, backend=self.backend)  # traced now, under the other mode
-      o2, ht2 = f(*args)
-      row["err_other_mode_o"] = common.rel_err(o2, o)
-      row["err_other_mode_state"] = common.rel_err(ht2, ht)
-      row["other_mode_ms"] = common.time_jax(lambda: f(*args))["ms"]
-    except Exception as e:  # a mode that does not compile is a result, not a crash
-      row["other_mode_error"] = f"{type(e).__name__}: {e}"[:300]
-    finally:
-      pk.CONFIG = default
-
   def row(self, row, with_ref, results):
     B, T, H, K, V, M = (row[n] for n in ("B", "T", "H", "K", "V", "M"))
     x = self.inputs(B, T, H, K, V, M, seed=B * 7 + T + M)
@@ -185,7 +164,6 @@ class Bench:
       row["ours_kernel_ms"], row["ours_span_ms"] = prof["busy_us"] / 1e3, prof["span_us"] / 1e3
       row["profile_ours"] = prof
       common.print_profile(f"ours B={B} T={T} H={H} K={K} V={V} M={M}", prof)
-    self.other_output_mode(row, M, args, o, ht)
 
     fo = None
     if self.fla is not None:
@@ -245,8 +223,6 @@ COLS = [
     ("B", "B", "d"), ("T", "T", "d"), ("H", "H", "d"), ("K", "K", "d"), ("V", "V", "d"),
     ("M", "M", "d"), ("ours_ms", "ours_ms", ".3f"), ("ours_spread", "spr", ".2f"),
     ("fla_ms", "fla_ms", ".3f"), ("ours_over_fla", "ours/fla", ".2f"),
-    ("default_fused", "fused", ""), ("other_mode_ms", "other_mode", ".3f"),
-    ("err_other_mode_o", "err_other", ".1e"),
     ("ours_kernel_ms", "ours_kern", ".3f"), ("fla_kernel_ms", "fla_kern", ".3f"),
     ("flop_floor_ms", "flop_floor", ".3f"), ("byte_floor_ms", "byte_floor", ".3f"),
     ("ours_over_floor", "/floor", ".1f"), ("TFLOPs", "TFLOP/s", ".0f"),

@@ -38,11 +38,6 @@ SWEEP = {
              for w in (2, 4, 8) for s in (1, 2, 3) for bv in (16, 32, 64)],
     "output": [dict(o_warps=w, o_bv=bv, o_bk=bk, o_stages=s) for w in (2, 4, 8)
                for bv in (64, 128) for bk in (64, 128) for s in (2, 3)],
-    # ptxas (sm_90a, K=128): 4 warps spill 3.5 KB at BV 64 and 1 KB at BV 32, 8 warps 0.5 KB
-    # and 80 B.
-    # 3 stages at BV 64 need 235 KB of shared memory (over the 227 KB of a block).
-    "scan_output": [dict(fused_h_warps=w, fused_h_stages=s, h_bv_wide=bv, h_bv_narrow=bv)
-                    for w in (4, 8) for s in (1, 2) for bv in (32, 64)],
 }
 
 
@@ -75,7 +70,7 @@ def stage_calls(pk, x, B, T, M, backend):
   desc_x = jnp.asarray(pk._dense_descriptors(B, T * M))
   offsets = jnp.asarray(np.arange(B + 1, dtype=np.int32) * nc)
   calls = {
-      # Stage 1 is folded into stages 2 and 6; its own kernel serves only the fused scan (Gu).
+      # Stage 1 is folded into stages 2 and 6.
       "kkt": jax.jit(lambda k, b, g: pk._kkt(k, b, g, cu, desc_x, HV=HV, M=M,
                                              backend=backend)[:2]),
       "solve": jax.jit(lambda A: pk._solve(A, cu, desc_x, M=M, dtype=x["k"].dtype,
@@ -88,13 +83,6 @@ def stage_calls(pk, x, B, T, M, backend):
       "output": jax.jit(lambda q, k, vn, h, g: pk._output(
           q, k, vn, h, g, None, B, cu, desc_t, M=M, scale=K ** -0.5, out_dtype=x["v"].dtype,
           backend=backend)),
-      # Stages 5 and 6 in one kernel (FUSE_OUTPUT), with the Gu launch it needs: compare with
-      # scan + output.
-      "scan_output": jax.jit(lambda k, w, u, gx, q, g: pk._scan(
-          k, w, u, gx, cu, offsets, B * nc, M=M, h0=None, state_indices=None,
-          final_kind="dense", h_dtype=x["k"].dtype, snap_dtype=None, backend=backend,
-          fused=(q, pk._cumsum(g, cu, desc_t, M=1, backend=backend), K ** -0.5,
-                 x["v"].dtype, False))),
   }
   return calls
 
@@ -104,11 +92,10 @@ def stage_args(calls, x):
   A, gx = calls["kkt"](x["k"], x["beta"], x["g"])
   Ai = calls["solve"](A)
   w, u = calls["wy"](x["k"], x["v"], x["beta"], gx, Ai)
-  h, _, v_new, _, _ = calls["scan"](x["k"], w, u, gx)
+  h, _, v_new, _ = calls["scan"](x["k"], w, u, gx)
   args = {"kkt": (x["k"], x["beta"], x["g"]), "solve": (A,),
           "wy": (x["k"], x["v"], x["beta"], gx, Ai), "scan": (x["k"], w, u, gx),
-          "output": (x["q"], x["k"], v_new, h, x["g"]),
-          "scan_output": (x["k"], w, u, gx, x["q"], x["g"])}
+          "output": (x["q"], x["k"], v_new, h, x["g"])}
   return args
 
 
@@ -186,14 +173,11 @@ def main() -> int:
       args = stage_args(calls, x)
       times = {s: common.time_jax(lambda s=s: calls[s](*args[s]))["ms"] for s in calls}
       row.update({f"{s}_ms": t for s, t in times.items()})
-      fused = times["scan_output"]  # an alternative to scan + output, not a stage
-      total = sum(t for s, t in times.items() if s != "scan_output")
+      total = sum(times.values())
       row["sum_ms"] = total
       print(f"[stages] B={B} T={T} H={H} HV={HV} K={K} V={V} M={M}: "
-            + ", ".join(f"{s} {t:.3f} ms ({t / total:.0%})" for s, t in times.items()
-                        if s != "scan_output")
-            + f"; sum {total:.3f} ms; scan with the output fused {fused:.3f} ms against "
-            f"scan + output {times['scan'] + times['output']:.3f} ms", flush=True)
+            + ", ".join(f"{s} {t:.3f} ms ({t / total:.0%})" for s, t in times.items())
+            + f"; sum {total:.3f} ms", flush=True)
       if a.fla and not a.cpu_smoke:
         try:
           ft = fla_stage_times(x, B, T, M)
@@ -235,8 +219,7 @@ def main() -> int:
     common.run_row(res, "stages", row, body, budget, margin=30)
   common.print_table("prefill stages (ms)", res.data["sections"].get("stages", []),
                      [(c, c, ".3f") for c in ("kkt_ms", "solve_ms", "wy_ms",
-                                              "scan_ms", "output_ms", "sum_ms",
-                                              "scan_output_ms")])
+                                              "scan_ms", "output_ms", "sum_ms")])
   common.print_table("fla-core stages (ms)", res.data["sections"].get("stages", []),
                      [(c, c, ".3f") for c in ("fla_cumsum_ms", "fla_kkt_ms", "fla_solve_ms",
                                               "fla_wy_ms", "fla_scan_ms", "fla_output_ms",

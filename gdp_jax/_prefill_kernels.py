@@ -12,6 +12,12 @@ It runs, per call:
     stage 5  h (chunk states), v_new, final state / cache          chunk_h
     stage 6  o                                                     chunk_o
 
+Stage 0 (§4.2) never writes normalised rows: every use of a normalised q or k row is linear in
+that row, so the kernels take the raw rows and scale their dot products by float32 row factors
+1 / sqrt(|x|^2 + 1e-6) (keys: computed and stored by stage 2; queries: computed by stage 6).
+Normalised rows are neither rounded to the input dtype nor written back (1.6 GB at B=8 T=4096
+H=32).
+
 Dense inputs [B, T, ...] are folded into one packed stream of B*T tokens with
 cu_seqlens = [0, T, 2T, ..] known at trace time, so one set of kernels serves both cases.
 With `cu_seqlens`, the chunk descriptors are built on the device with static upper bounds
@@ -44,8 +50,6 @@ class _PrefillConfig:
   is one table row; the exception is stage 4 at K=256 V=512 (0.128 against 0.109 ms for 2 warps,
   2% of that prefill). Every config was checked there against the previous one's output.
   """
-  # Stage 1 (its own kernel serves only the fused scan): 64 scalars per program; one warp.
-  cumsum_warps: int = 1
   # Stage 2: 2 warps and a 128-wide K slice: 0.341 against 0.369 ms (4 warps, 64) at B=8 H=32.
   kkt_bk: int = 128
   kkt_warps: int = 2
@@ -77,20 +81,10 @@ class _PrefillConfig:
   # in shared memory: 3 stages need 287 KB at K=256 (over the H200's 227 KB; compiled with
   # triton 3.6 on the device and 3.9 here), 2 stages 148 KB.
   h_stages_f32: int = 2
-  # Stage 6 fused into stage 5 (kernels/chunk_h.py, FUSE_OUTPUT): saves writing and reading h
-  # and v_new (about 1.6 GB at B=8 T=4096 H=32, benchmarks/NOTES.md) and a launch, but adds two
-  # dots per expanded chunk to the scan's sequential chain. Not timed yet: "off" until the
-  # benchmark (`prefill.py`, its other_mode column) says where it wins.
-  fuse_output: str = "off"
-  fuse_min_programs: int = 264
-  # The fused scan holds the output tile and the intra-chunk A beside the state: with 4 warps
-  # ptxas (sm_90a) spills 3.5 KB at BV 64 (8 warps: 0.5 KB); the unfused scan at 4 warps 0.5 KB.
-  fused_h_warps: int = 8
-  # Its 3-stage pipeline needs 235 KB of shared memory at BV 64 on bfloat16 inputs (found on
-  # the H200; tests/test_sm90_compile.py), over the 227 KB of a block: 2 stages.
-  fused_h_stages: int = 2
   # Stage 6: 64 x 128 output tiles, K in 128-wide slices, 4 warps: 0.091 against 0.17 ms
-  # (8 warps, 64 x 64, BK 64) at B=4 H=16, 0.68 against 1.48 ms at B=8 H=32.
+  # (8 warps, 64 x 64, BK 64) at B=4 H=16, 0.68 against 1.48 ms at B=8 H=32. Fusing it into
+  # the scan (no h, v_new round trip) was built and measured, then removed: 1.9x to 3.8x
+  # slower at every K=128 row, as it lengthens each scan program's sequential chain (RESULTS.md).
   o_bk: int = 128
   o_bv: int = 128
   o_warps: int = 4
@@ -108,18 +102,6 @@ def _h_block_v(cfg: _PrefillConfig, N: int, HV: int, K: int, V: int) -> int:
   return cfg.h_bv_wide
 
 
-def _fuse_output(cfg: _PrefillConfig, N: int, HV: int, K: int, V: int) -> bool:
-  """Stage 6 inside the scan: "on", "off", or "auto" (enough scan programs to fill the GPU,
-  since the fusion lengthens each program's sequential chain). Never for K > 128: four state
-  tiles plus the output tile need 287 KB of shared memory on float32 inputs
-  (tests/test_sm90_compile.py), over an H200 block's 227 KB."""
-  if K > 128:
-    return False
-  if cfg.fuse_output == "auto":
-    return N * HV * -(-V // _h_block_v(cfg, N, HV, K, V)) >= cfg.fuse_min_programs
-  return cfg.fuse_output == "on"
-
-
 def _dense_descriptors(B: int, L: int) -> np.ndarray:
   """The descriptors of B sequences of L rows each, as a trace-time constant."""
   nc = -(-L // BT)
@@ -134,43 +116,16 @@ def _dot_precision(dtype) -> str:
   return "ieee" if jnp.dtype(dtype) == jnp.float32 else "tf32"
 
 
-def _rnorm(x: jax.Array) -> jax.Array:
-  """Stage 0 (§4.2) as row factors: 1 / sqrt(sum(x^2) + 1e-6) over features, float32.
-
-  Every use of a normalised q or k row in stages 2 to 6 is linear in that row, so the kernels
-  take the raw rows and scale their dot products by such factors, and the normalised rows are
-  never rounded to the input dtype or written back (1.6 GB at B=8 T=4096 H=32). Stage 2 computes
-  the key factors and stage 6 the query factors from the tiles they load anyway; this jnp twin
-  serves only the fused scan + output, which needs the query factors inside the scan.
-  """
-  xf = x.astype(jnp.float32)
-  return jax.lax.rsqrt(jnp.sum(xf * xf, -1) + 1e-6)
-
-
 # --- one function per stage; all arrays are packed (B folded into the token axis) ----------
-
-
-def _cumsum(g, cu, desc, *, M, backend):
-  """Stage 1: [T, HV] float32 natural-log decays -> [T*M, HV] chunk-local log2 cumsums.
-
-  The pipeline folds stage 1 into stages 2 and 6 (`_common.chunk_decays`); this launch serves
-  the fused scan + output, which needs Gu inside the scan."""
-  T, HV = g.shape
-  (g_cum,) = _launch.call(
-      "chunk_cumsum.chunk_cumsum_fwd_kernel", g, cu, desc,
-      grid=(desc.shape[0], HV),
-      out_shape=[jax.ShapeDtypeStruct((T * M, HV), jnp.float32)],
-      backend=backend, num_warps=CONFIG.cumsum_warps,
-      HV=HV, M=M, BT=BT)
-  return g_cum
 
 
 def _kkt(k, beta, g, cu, desc, *, HV, M, backend, l2norm=False):
   """Stage 2, with stage 1 on the expanded stream and the key half of stage 0 folded in.
 
   g: [T, HV] float32 natural-log decays, or None. Returns A [T*M, HV, 64] float32; Gx
-  [T*M, HV] (what _cumsum(g, ..., M=M) gives) or None without g; and with `l2norm` the key row
-  factors rk [T*M, H] (as _rnorm(k)), else None. Rows past cu_seqlens[N] are never written.
+  [T*M, HV] (the chunk-local log2 cumsums of the expanded stream) or None without g; and with
+  `l2norm` the key row factors rk [T*M, H], else None. Rows past cu_seqlens[N] are never
+  written.
   """
   TM, H, K = k.shape
   A, gx, rk = _launch.call(
@@ -217,8 +172,8 @@ def _wy(k, v, beta, gx, Ai, cu, desc, *, M, backend, rk=None):
 
 
 def _scan(k, w, u, gx, cu, offsets, n_rows, *, M, h0, state_indices, final_kind,
-          h_dtype, snap_dtype, backend, fused=None, rk=None, rq=None):
-  """Stage 5: the inter-chunk scan; with `fused`, stage 6 as well.
+          h_dtype, snap_dtype, backend, rk=None):
+  """Stage 5: the inter-chunk scan.
 
   Args:
     k, w, u: [T*M, H, K], [T*M, HV, K], [T*M, HV, V].
@@ -231,24 +186,20 @@ def _scan(k, w, u, gx, cu, offsets, n_rows, *, M, h0, state_indices, final_kind,
     final_kind: "none", "dense" ([N, HV, K, V] float32) or "cache".
     h_dtype: dtype of the chunk states read by stage 6.
     snap_dtype: dtype of a second copy of the chunk states, or None for no copy.
-    fused: None, or (q [T, H, K], gu [T, HV] or None, scale, out_dtype, store_h) to compute
-      the output inside the scan; h is then written only when store_h.
-    rk, rq: None, or the row factors of k [T*M, H] and (with `fused`) q [T, H].
+    rk: None, or the key row factors [T*M, H].
 
   Returns:
-    (h or None, h_snap or None, v_new or None, final or None, o or None).
+    (h, h_snap or None, v_new, final or None).
   """
   TM, H, K = k.shape
   _, HV, V = u.shape
   N = cu.shape[0] - 1
-  T = TM // M
   bv = _h_block_v(CONFIG, N, HV, K, V)
-  store_h = fused is None or fused[4]
   out_shape = [
-      jax.ShapeDtypeStruct((n_rows, HV, K, V) if store_h else (1,), h_dtype),
+      jax.ShapeDtypeStruct((n_rows, HV, K, V), h_dtype),
       jax.ShapeDtypeStruct((n_rows, HV, K, V) if snap_dtype is not None else (1,),
                            snap_dtype if snap_dtype is not None else jnp.float32),
-      jax.ShapeDtypeStruct((TM, HV, V) if fused is None else (1,), k.dtype),
+      jax.ShapeDtypeStruct((TM, HV, V), k.dtype),
   ]
   aliases = None
   if final_kind == "cache":
@@ -258,14 +209,8 @@ def _scan(k, w, u, gx, cu, offsets, n_rows, *, M, h0, state_indices, final_kind,
     out_shape.append(jax.ShapeDtypeStruct((N, HV, K, V), jnp.float32))
   else:
     out_shape.append(jax.ShapeDtypeStruct((1,), jnp.float32))
-  if fused is not None:
-    q, gu, scale, out_dtype, _ = fused
-    out_shape.append(jax.ShapeDtypeStruct((T, HV, V), out_dtype))
-  else:
-    q, gu, scale = _launch.placeholder(k.dtype), None, 1.0
-    out_shape.append(jax.ShapeDtypeStruct((1,), jnp.float32))
   S = h0.shape[0] if h0 is not None else N
-  h, h_snap, v_new, ht, o = _launch.call(
+  h, h_snap, v_new, ht = _launch.call(
       "chunk_h.chunk_h_fwd_kernel", k, w, u,
       gx if gx is not None else _launch.placeholder(),
       h0 if h0 is not None else _launch.placeholder(),
@@ -273,23 +218,18 @@ def _scan(k, w, u, gx, cu, offsets, n_rows, *, M, h0, state_indices, final_kind,
       cu, offsets,
       HV * K * V, K * V, S,
       rk if rk is not None else _launch.placeholder(),
-      q, rq if rq is not None else _launch.placeholder(),
-      gu if gu is not None else _launch.placeholder(), float(scale),
       grid=(N * HV, -(-V // bv)),
       out_shape=out_shape,
       input_output_aliases=aliases,
-      backend=backend, num_warps=CONFIG.h_warps if fused is None else CONFIG.fused_h_warps,
-      num_stages=(CONFIG.h_stages_f32 if k.dtype == jnp.float32 else
-                  CONFIG.h_stages if fused is None else CONFIG.fused_h_stages),
+      backend=backend, num_warps=CONFIG.h_warps,
+      num_stages=CONFIG.h_stages_f32 if k.dtype == jnp.float32 else CONFIG.h_stages,
       H=H, HV=HV, K=K, V=V, M=M, BT=BT, BV=bv,
       USE_G=gx is not None, USE_INITIAL_STATE=h0 is not None,
       STORE_FINAL_STATE=final_kind != "none", HAS_STATE_INDICES=state_indices is not None,
-      STORE_SNAPSHOT=snap_dtype is not None, FUSE_OUTPUT=fused is not None,
-      USE_RNORM=rk is not None,
-      STORE_CHECKPOINTS=store_h, DOT_PRECISION=_dot_precision(k.dtype))
-  return (h if store_h else None, h_snap if snap_dtype is not None else None,
-          v_new if fused is None else None, ht if final_kind != "none" else None,
-          o if fused is not None else None)
+      STORE_SNAPSHOT=snap_dtype is not None, USE_RNORM=rk is not None,
+      DOT_PRECISION=_dot_precision(k.dtype))
+  return (h, h_snap if snap_dtype is not None else None, v_new,
+          ht if final_kind != "none" else None)
 
 
 def _output(q, k, v_new, h, g, state_indices, S, cu, desc, *, M, scale, out_dtype, backend,
@@ -334,7 +274,7 @@ def _chunk_gated_delta_product_fwd(
     scale: query scale.
     initial_state: [N, HV, K, V] or None (zeros).
     output_final_state: return the final state densely (ignored with `state`).
-    use_qk_l2norm_in_kernel: L2-normalise q and k rows (float32 row factors, see _rnorm).
+    use_qk_l2norm_in_kernel: L2-normalise q and k rows (as float32 row factors, see above).
     cu_seqlens: [N+1] int32 token-stream sequence starts (B == 1), or None (N = B).
     state: [S, HV, K, V] cache read and written at `state_indices`, or None.
     state_indices: [N] int32 slot per sequence (outside [0, S): padding), or None (slot n).
@@ -415,20 +355,13 @@ def _chunk_gated_delta_product_fwd(
       h_dtype = want
     else:
       snap_dtype = want
-  fused = rq = None
-  if _fuse_output(CONFIG, N, HV, K, V):
-    gu = _cumsum(g, cu, desc_t, M=1, backend=backend) if g is not None else None
-    fused = (q, gu, scale, out_dtype, return_chunk_states)
-    rq = _rnorm(q) if use_qk_l2norm_in_kernel else None
-  h, h_snap, v_new, final, o = _scan(
+  h, h_snap, v_new, final = _scan(
       k, w, u, gx, cu, offsets, n_rows, M=M, h0=h0, state_indices=state_indices,
       final_kind=final_kind, h_dtype=h_dtype, snap_dtype=snap_dtype, backend=backend,
-      fused=fused, rk=rk, rq=rq)
-
-  if fused is None:
-    S = state.shape[0] if state is not None else N
-    o = _output(q, k, v_new, h, g, state_indices, S, cu, desc_t, M=M, scale=scale,
-                out_dtype=out_dtype, backend=backend, rk=rk)
+      rk=rk)
+  S = state.shape[0] if state is not None else N
+  o = _output(q, k, v_new, h, g, state_indices, S, cu, desc_t, M=M, scale=scale,
+              out_dtype=out_dtype, backend=backend, rk=rk)
 
   if cu_seqlens is not None:
     # Tokens past cu_seqlens[N] belong to no sequence and no program writes them (§5.4); a

@@ -25,20 +25,6 @@ at row state_indices[n]. A slot outside [0, S) is padding: the program reads not
 final state, writes zero checkpoints and skips the scan (its v_new rows are left unwritten; stage
 6 zeroes the output of such a sequence without reading them).
 
-With FUSE_OUTPUT the program also computes stage 6 for its BV columns while it has the state
-in registers (ALGORITHM.md §4.8), so h and v_new need not go through memory:
-
-    at e % M == 0 (token chunk c = e / M begins, S is its entering state):
-        O = 2^Gu[tokens] * (Q_c @ S)                        # [64 tokens, BV]
-    for each expanded chunk e of token chunk c, after D = u - w @ S (before the decay):
-        A[t, i] = <q_t, k_r> * 2^(Gu_t - Gu_t')  for row r = e*64 + i of token t' <= t, else 0
-        O += A @ D                                          # A and D in the input dtype
-    after the last expanded chunk of c:  o[tokens, columns] = scale * O
-
-It is the same arithmetic as chunk_o (h and v_new rounded to the input dtype before the dots),
-summed over expanded chunks instead of Householder copies. h is then stored only for
-STORE_CHECKPOINTS (chunk states asked for) and v_new not at all.
-
 Grid: (N * HV, ceil(V / BV)). Program (i_nh, i_v) owns sequence i_nh // HV, value head
 i_nh % HV, columns i_v*BV .. i_v*BV + BV - 1. N * HV sits on axis 0, which has no 65535 cap.
 
@@ -110,21 +96,6 @@ def _rows_dot_state(p, row, mask_r, b_h1, b_h2, b_h3, b_h4, o_k, STRIDE: tl.cons
 
 
 @triton.jit
-def _rows_dot_rows(p_a, row_a, mask_a, p_b, row_b, mask_b, o_k, STRIDE_A: tl.constexpr,
-                   STRIDE_B: tl.constexpr, K: tl.constexpr, DOT_PRECISION: tl.constexpr):
-  """<a_i, b_j> over the first K columns of rows row_a of one array and row_b of another."""
-  acc = tl.dot(_row_tile(p_a, row_a, mask_a, 0, o_k, STRIDE_A, K),
-               _row_tile_t(p_b, row_b, mask_b, 0, o_k, STRIDE_B, K),
-               input_precision=DOT_PRECISION)
-  for i_t in tl.static_range(1, 4):
-    if K > 64 * i_t:
-      acc += tl.dot(_row_tile(p_a, row_a, mask_a, i_t, o_k, STRIDE_A, K),
-                    _row_tile_t(p_b, row_b, mask_b, i_t, o_k, STRIDE_B, K),
-                    input_precision=DOT_PRECISION)
-  return acc
-
-
-@triton.jit
 def chunk_h_fwd_kernel(
     # inputs
     k,              # [T*M, H, K] expanded-stream keys
@@ -139,10 +110,6 @@ def chunk_h_fwd_kernel(
     stride_hv,      # elements between heads of h0 and ht; the [K, V] part is contiguous
     S,              # slots of the cache: a slot outside [0, S) is padding
     rk,             # [T*M, H] float32 1/|k| row factors (USE_RNORM; else a placeholder)
-    q,              # [T, H, K] queries (FUSE_OUTPUT; else a placeholder)
-    rq,             # [T, H] float32 1/|q| row factors (FUSE_OUTPUT and USE_RNORM)
-    g_tok,          # [T, HV] float32 Gu, token-stream log2 cumsum (FUSE_OUTPUT and USE_G)
-    scale,          # float32 query scale (FUSE_OUTPUT)
     # outputs
     h,              # [NCR, HV, K, V] entering state of every token chunk, read by stage 6
     h_snap,         # [NCR, HV, K, V] the same in the chunk_states dtype (placeholder unless
@@ -150,7 +117,6 @@ def chunk_h_fwd_kernel(
     v_new,          # [T*M, HV, V] input dtype
     ht,             # final state: [N, HV, K, V] float32 or the cache (aliased to h0);
                     # placeholder unless STORE_FINAL_STATE
-    o,              # [T, HV, V] output in v's dtype (FUSE_OUTPUT; else a placeholder)
     # sizes
     H: tl.constexpr,
     HV: tl.constexpr,
@@ -165,9 +131,7 @@ def chunk_h_fwd_kernel(
     STORE_FINAL_STATE: tl.constexpr,
     HAS_STATE_INDICES: tl.constexpr,
     STORE_SNAPSHOT: tl.constexpr,
-    FUSE_OUTPUT: tl.constexpr,
-    USE_RNORM: tl.constexpr,  # q and k L2-normalised by their row factors, applied after dots
-    STORE_CHECKPOINTS: tl.constexpr,  # write h (always without FUSE_OUTPUT)
+    USE_RNORM: tl.constexpr,  # keys L2-normalised by their row factors, applied after dots
     DOT_PRECISION: tl.constexpr,  # "ieee" for float32 inputs, else the tensor-core default
 ):
   i_nh, i_v = tl.program_id(0), tl.program_id(1)
@@ -198,18 +162,11 @@ def chunk_h_fwd_kernel(
     # checkpoints are defined as zeros.
     if (i_s < 0) | (i_s >= S):
       for i_c in range(0, n_c):
-        if STORE_CHECKPOINTS:
-          p_h = h + ((c0 + i_c) * HV + i_hv) * (K * V)
-          _store_state(p_h, b_h1, b_h2, b_h3, b_h4, o_k, o_v, mask_v, K, V)
+        p_h = h + ((c0 + i_c) * HV + i_hv) * (K * V)
+        _store_state(p_h, b_h1, b_h2, b_h3, b_h4, o_k, o_v, mask_v, K, V)
         if STORE_SNAPSHOT:
           p_hs = h_snap + ((c0 + i_c) * HV + i_hv) * (K * V)
           _store_state(p_hs, b_h1, b_h2, b_h3, b_h4, o_k, o_v, mask_v, K, V)
-        if FUSE_OUTPUT:
-          # A padding sequence's output is zero, whatever its length.
-          o_t = i_c * BT + tl.arange(0, BT)
-          m_tv = (o_t < eos - bos)[:, None] & mask_v[None, :]
-          tl.store(o + (bos + o_t)[:, None] * (HV * V) + i_hv * V + o_v[None, :],
-                   tl.zeros([BT, BV], dtype=tl.float32).to(o.dtype.element_ty), mask=m_tv)
       return
   else:
     i_s = i_n.to(tl.int64)
@@ -226,34 +183,14 @@ def chunk_h_fwd_kernel(
 
   p_w = w + i_hv * K
   p_k = k + i_h * K
-  p_q = q + i_h * K
-  o_t = tl.arange(0, BT)  # token offsets of the current token chunk (FUSE_OUTPUT)
-  mask_t = o_t < 0
-  b_gu = tl.zeros([BT], dtype=tl.float32)
-  b_rq = tl.zeros([BT], dtype=tl.float32)
-  b_o = tl.zeros([BT, BV], dtype=tl.float32)
   for i_e in range(0, n_x):
     if i_e % M == 0:
       # Every M-th expanded chunk starts a token chunk (64cM is row 64c*M).
-      if STORE_CHECKPOINTS:
-        p_h = h + ((c0 + i_e // M) * HV + i_hv) * (K * V)
-        _store_state(p_h, b_h1, b_h2, b_h3, b_h4, o_k, o_v, mask_v, K, V)
+      p_h = h + ((c0 + i_e // M) * HV + i_hv) * (K * V)
+      _store_state(p_h, b_h1, b_h2, b_h3, b_h4, o_k, o_v, mask_v, K, V)
       if STORE_SNAPSHOT:
         p_hs = h_snap + ((c0 + i_e // M) * HV + i_hv) * (K * V)
         _store_state(p_hs, b_h1, b_h2, b_h3, b_h4, o_k, o_v, mask_v, K, V)
-      if FUSE_OUTPUT:
-        # int32 like the initial value (a loop-carried tensor keeps its type); i_e is int64.
-        o_t = (tl.arange(0, BT) + (i_e // M) * BT).to(tl.int32)
-        mask_t = o_t < eos - bos
-        tok = bos + o_t
-        b_o = _rows_dot_state(p_q, tok, mask_t, b_h1, b_h2, b_h3, b_h4, o_k, H * K, K,
-                              DOT_PRECISION)
-        if USE_RNORM:
-          b_rq = tl.load(rq + tok * H + i_h, mask=mask_t, other=0.)
-          b_o = b_o * b_rq[:, None]
-        if USE_G:
-          b_gu = tl.load(g_tok + tok * HV + i_hv, mask=mask_t, other=0.)
-          b_o = b_o * tl.exp2(b_gu)[:, None]
 
     o_r = i_e * BT + tl.arange(0, BT)
     mask_r = o_r < len_x
@@ -266,30 +203,8 @@ def chunk_h_fwd_kernel(
     m_rv = mask_r[:, None] & mask_v[None, :]
     off_v = row[:, None] * (HV * V) + i_hv * V + o_v[None, :]
     b_v = tl.load(u + off_v, mask=m_rv, other=0.).to(tl.float32) - b_wh
-    if FUSE_OUTPUT:
-      # Rows of this expanded chunk against the tokens of its token chunk: row i belongs to
-      # token (e % M * 64 + i) // M of the chunk.
-      r_tok = ((i_e % M) * BT + tl.arange(0, BT)) // M
-      b_A = _rows_dot_rows(p_q, bos + o_t, mask_t, p_k, row, mask_r, o_k, H * K, H * K, K,
-                           DOT_PRECISION)
-      if USE_RNORM:
-        b_A = b_A * (b_rq[:, None] * b_rk[None, :])
-      m_A = (((o_t - (i_e // M) * BT)[:, None] >= r_tok[None, :])
-             & mask_t[:, None] & mask_r[None, :])
-      if USE_G:
-        b_gr = tl.load(g_tok + (bos + (i_e // M) * BT + r_tok) * HV + i_hv, mask=mask_r, other=0.)
-        # A select, not a product: above the diagonal the exponent may overflow to inf.
-        b_A = b_A * tl.where(m_A, tl.exp2(b_gu[:, None] - b_gr[None, :]), 0.)
-      b_A = tl.where(m_A, b_A, 0.)
-      b_d = b_v.to(k.dtype.element_ty)  # v_new as chunk_o would read it back
-      b_o += tl.dot(b_A.to(b_d.dtype), b_d, input_precision=DOT_PRECISION)
-      if ((i_e % M) == M - 1) | (i_e == n_x - 1):
-        p_o = o + (bos + o_t)[:, None] * (HV * V) + i_hv * V + o_v[None, :]
-        tl.store(p_o, (scale * b_o).to(o.dtype.element_ty),
-                 mask=mask_t[:, None] & mask_v[None, :])
-    else:
-      # Stored before the decay scaling below: stage 6 applies its own decays.
-      tl.store(v_new + off_v, b_v.to(v_new.dtype.element_ty), mask=m_rv)
+    # Stored before the decay scaling below: stage 6 applies its own decays.
+    tl.store(v_new + off_v, b_v.to(v_new.dtype.element_ty), mask=m_rv)
 
     if USE_G:
       i_last = tl.minimum(i_e * BT + BT, len_x) - 1

@@ -11,7 +11,7 @@ past the sequence end belong to the next sequence and are not touched.
 
 With USE_G the decays enter as the raw token stream g, and this stage also performs stage 1
 for its chunk and head (Gx, the chunk-local cumulative log2 decays, `_common.chunk_decays`) and
-stores it for stages 4 and 5: one launch fewer than a separate cumsum kernel.
+stores it for stages 4 and 5, instead of a separate cumsum kernel.
 
 With USE_RNORM the keys are L2-normalised (§4.2) as float32 row factors rk = 1 / sqrt(|k|^2 +
 1e-6), applied to A's rows and columns after the dot. This stage reads every key row of every

@@ -205,21 +205,14 @@ def check_prefill(c: Case, backend, seed=0):
     assert_close("chunk_states", ref[2], cs, cs_tol)
 
 
-@pytest.fixture(params=["off", "on"], ids=["output", "fused_output"])
-def fuse_output(request, monkeypatch):
-  """Stage 6 as its own kernel, and fused into the scan (kernels/chunk_h.py, FUSE_OUTPUT)."""
-  monkeypatch.setattr(pk, "CONFIG", dataclasses.replace(pk.CONFIG, fuse_output=request.param))
-  return request.param
-
-
 @pytest.mark.parametrize("c", CASES, ids=lambda c: c.id)
-def test_prefill(c, fuse_output):
+def test_prefill(c):
   check_prefill(c, KERNEL_BACKEND)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("c", GPU_CASES, ids=lambda c: c.id)
-def test_prefill_gpu(c, fuse_output):
+def test_prefill_gpu(c):
   check_prefill(c, "triton", seed=1)
 
 
@@ -238,7 +231,7 @@ def test_prefill_solve_precision_gpu(precision, monkeypatch):
 def test_prefill_random_shapes(data):
   """Random shapes and packings beyond the table: lengths around the chunk size (empty ones
   too) with slack tokens after them, GVA ratios, odd K and V, M in 1..3, every optional
-  input, both output modes."""
+  input."""
   d = lambda s: data.draw(s)
   H, G, M = d(st.sampled_from([1, 2])), d(st.sampled_from([1, 2, 3])), d(st.integers(1, 3))
   if d(st.booleans()):
@@ -263,12 +256,7 @@ def test_prefill_random_shapes(data):
            init=not cache and d(st.booleans()), final=d(st.booleans()), cache=cache,
            varlen=varlen, chunk_states=d(st.booleans()),
            states_dtype=d(st.sampled_from(["", "float32", "bfloat16"])))
-  default = pk.CONFIG
-  pk.CONFIG = dataclasses.replace(default, fuse_output=d(st.sampled_from(["off", "on"])))
-  try:
-    check_prefill(c, KERNEL_BACKEND, seed=d(st.integers(0, 2**16)))
-  finally:
-    pk.CONFIG = default
+  check_prefill(c, KERNEL_BACKEND, seed=d(st.integers(0, 2**16)))
 
 
 # --- stage by stage ----------------------------------------------------------------------------
@@ -331,20 +319,12 @@ def test_stages(lens, M, K, dtype):
   stored_tol = 1e-5 if dtype == "float32" else 1e-2  # tensors stored in the input dtype
   state_tol = 1e-5 if dtype == "float32" else 1e-2  # bf16 dots inside the scan
 
-  # Stage 1: both cumsums, valid rows only (the others belong to nobody).
-  gu = pk._cumsum(g, cu, desc_t, M=1, backend=be)
-  gx = pk._cumsum(g, cu, desc_x, M=M, backend=be)
-  gu_ref, gx_ref = _np_gcum(_f(g), cu_np, 1), _np_gcum(_f(g), cu_np, M)
-  for name, out, ref in (("Gu", gu, gu_ref), ("Gx", gx, gx_ref)):
-    live = ~np.isnan(ref[:, 0])
-    assert_close(name, ref[live], _f(out)[live], 1e-6)
-
-  # Stage 2, with stage 1 on the expanded stream folded in: the Gx it stores is the cumsum
-  # kernel's (same loads, same scan, same scaling; bit for bit in the interpreter, which sums
-  # in order).
-  A, gx2, _ = pk._kkt(k, beta, g, cu, desc_x, HV=HV, M=M, backend=be)
+  # Stage 2, with stage 1 on the expanded stream folded in: Gx on the valid rows (the others
+  # belong to nobody), then A from the kernel's Gx.
+  A, gx, _ = pk._kkt(k, beta, g, cu, desc_x, HV=HV, M=M, backend=be)
+  gx_ref = _np_gcum(_f(g), cu_np, M)
   gx_live = ~np.isnan(gx_ref[:, 0])
-  assert bits_equal(np.asarray(gx2)[gx_live], np.asarray(gx)[gx_live]), "Gx of chunk_kkt"
+  assert_close("Gx", gx_ref[gx_live], _f(gx)[gx_live], 1e-6)
   A_np, gx_np, k_np, b_np = _f(A), _f(gx), _f(k), _f(beta)
   for r0, n in _chunks(cu_np, M):
     for hv in range(HV):
@@ -390,9 +370,9 @@ def test_stages(lens, M, K, dtype):
       assert_close("w", ref_w, w_np[r0:r0 + n, hv], stored_tol)
 
   # Stage 5, from the kernel's w and u: checkpoints, v_new, final state.
-  h, _, v_new, ht, _ = pk._scan(k, w, u, gx, cu, offs, n_t, M=M, h0=h0, state_indices=None,
-                                final_kind="dense", h_dtype=jnp.float32, snap_dtype=None,
-                                backend=be)
+  h, _, v_new, ht = pk._scan(k, w, u, gx, cu, offs, n_t, M=M, h0=h0, state_indices=None,
+                             final_kind="dense", h_dtype=jnp.float32, snap_dtype=None,
+                             backend=be)
   h_np, vn_np = _f(h), _f(v_new)
   for n in range(N):
     S = _f(h0[n]).copy()
@@ -413,7 +393,8 @@ def test_stages(lens, M, K, dtype):
   scale = K ** -0.5
   o = pk._output(q, k, v_new, h, g, None, N, cu, desc_t, M=M, scale=scale, out_dtype=dt,
                  backend=be)
-  o_np, q_np, gu_np = _f(o), _f(q), _f(gu)
+  # chunk_o computes Gu (stage 1 on the token stream) itself: checked through o.
+  o_np, q_np, gu_np = _f(o), _f(q), _np_gcum(_f(g), cu_np, 1)
   for j, (n, c) in enumerate(np.asarray(desc_t)):
     if n < 0:
       continue
@@ -500,8 +481,8 @@ def test_matches_folded_decode():
 
 def test_eager_call_is_one_program_per_config(monkeypatch):
   """An eager call runs one jitted program, reused for the same shapes; a changed block table
-  (what the fuse_output fixture and the benchmarks do) builds a new one instead of reusing a
-  program traced under the old table."""
+  (what the benchmarks' config sweeps do) builds a new one instead of reusing a program traced
+  under the old table."""
   from gdp_jax import _backends
   c = Case(B=1, T=70, HV=2, K=16, V=16, M=2)
   a, kw = make_inputs(c, seed=9)
@@ -511,10 +492,10 @@ def test_eager_call_is_one_program_per_config(monkeypatch):
   again = run()
   assert _backends._jitted.cache_info().misses == misses, "same call, new program"
   assert all(bits_equal(x, y) for x, y in zip(first, again))
-  monkeypatch.setattr(pk, "CONFIG", dataclasses.replace(pk.CONFIG, fuse_output="on"))
-  fused = run()
+  monkeypatch.setattr(pk, "CONFIG", dataclasses.replace(pk.CONFIG, o_bv=32, o_bk=16))
+  other = run()
   assert _backends._jitted.cache_info().misses == misses + 1, "changed config, old program"
-  assert_close("o (fused)", first[0], fused[0], 1e-5)
+  assert_close("o (other blocks)", first[0], other[0], 1e-5)
 
 
 def test_jit_traced_cu_seqlens_compiles_once():

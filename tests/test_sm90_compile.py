@@ -24,12 +24,10 @@ SM90_MAX_SHARED = 232448
 
 # (what, dtype, K, V, N): the largest head sizes the kernels support and the common one; N
 # sequences, few (the scan takes its narrow V tile) and many (its wide tile, as at benchmark
-# sizes). "prefill_fused": stage 6 inside the scan (_PrefillConfig.fuse_output = "on"; K <= 128).
+# sizes).
 CASES = [("prefill", "bfloat16", 256, 512, 2), ("prefill", "float32", 256, 512, 2),
          ("prefill", "bfloat16", 128, 128, 2), ("prefill", "bfloat16", 128, 128, 16),
          ("prefill", "float32", 128, 128, 16),
-         ("prefill_fused", "bfloat16", 128, 128, 2), ("prefill_fused", "bfloat16", 128, 128, 16),
-         ("prefill_fused", "float32", 128, 512, 2), ("prefill_fused", "float32", 128, 128, 16),
          ("decode", "bfloat16", 256, 512, 4), ("decode", "float32", 256, 512, 4)]
 
 
@@ -38,8 +36,7 @@ def _record_launches(what, dtype, K, V, N):
   import jax
   import jax.numpy as jnp
   import gdp_jax
-  import dataclasses
-  from gdp_jax import _backends, _launch, _prefill_kernels
+  from gdp_jax import _backends, _launch
 
   launches = []
 
@@ -54,9 +51,7 @@ def _record_launches(what, dtype, K, V, N):
   H, HV, M, S = 2, 4, 2, 16
   f32 = jnp.float32
   sds = jax.ShapeDtypeStruct
-  _prefill_kernels.CONFIG = dataclasses.replace(
-      _prefill_kernels.CONFIG, fuse_output="on" if what == "prefill_fused" else "off")
-  if what.startswith("prefill"):
+  if what == "prefill":
     T, snap = 300, (jnp.float16 if N < 8 else jnp.float32)  # both snapshot widths
     args = (sds((1, T, H, K), dt), sds((1, T * M, H, K), dt), sds((1, T * M, HV, V), dt),
             sds((1, T, HV), f32), sds((1, T * M, HV), f32), sds((S, HV, K, V), f32),
@@ -128,8 +123,7 @@ def main():
                               target=GPUTarget("cuda", 90, 32),
                               options=dict(num_warps=warps, num_stages=stages))
       report.append(dict(case=list(case), kernel=fn.__name__, num_warps=warps,
-                         num_stages=stages, shared=kernel.metadata.shared,
-                         fused=bool(consts.get("FUSE_OUTPUT", False))))
+                         num_stages=stages, shared=kernel.metadata.shared))
   print(json.dumps(report))
 
 
@@ -142,10 +136,9 @@ def test_every_launch_fits_sm90_shared_memory():
   report = json.loads(proc.stdout.strip().splitlines()[-1])
   kernels = {r["kernel"] for r in report}
   # Every kernel of both paths was traced and compiled.
-  assert {"chunk_cumsum_fwd_kernel", "chunk_kkt_fwd_kernel", "chunk_solve_fwd_kernel",
+  assert {"chunk_kkt_fwd_kernel", "chunk_solve_fwd_kernel",
           "chunk_wy_fwd_kernel", "chunk_h_fwd_kernel", "chunk_o_fwd_kernel"} <= kernels, kernels
   assert any("decode" in k or "recurrent" in k for k in kernels), kernels
-  assert any(r["fused"] for r in report), "the fused scan + output was not compiled"
   over = [r for r in report if r["shared"] > SM90_MAX_SHARED]
   assert not over, f"over the {SM90_MAX_SHARED} bytes of an sm_90 block: {over}"
 
