@@ -538,6 +538,22 @@ def test_deterministic_gpu(dtype):
 
 
 @pytest.mark.gpu
+def test_kernels_compile_once_per_variant_gpu():
+  """Triton compiles each kernel once per variant (dtypes, head sizes, flags), not per call
+  and not per sequence length: a repeated call and a call at another length add nothing to
+  jax-triton's cache of compiled kernels."""
+  from jax_triton import triton_lib
+  c = Case(B=2, T=300, H=4, HV=8, K=128, V=128, M=2, dtype="bfloat16", l2norm=True)
+  a, kw = make_inputs(c, seed=11)
+  jax.block_until_ready(gdp_jax.chunk_gated_delta_product(**a, **kw, backend="triton"))
+  compiled = len(triton_lib._COMPILED_KERNEL_CACHE)
+  jax.block_until_ready(gdp_jax.chunk_gated_delta_product(**a, **kw, backend="triton"))
+  a, kw = make_inputs(dataclasses.replace(c, T=777), seed=12)
+  jax.block_until_ready(gdp_jax.chunk_gated_delta_product(**a, **kw, backend="triton"))
+  assert len(triton_lib._COMPILED_KERNEL_CACHE) == compiled
+
+
+@pytest.mark.gpu
 def test_donated_cache_keeps_buffer_gpu():
   """Under jit with the cache donated, the prefill updates it in its own device buffer, and one
   compilation serves different cu_seqlens values with no device-to-host transfer."""
