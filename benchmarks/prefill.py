@@ -248,9 +248,9 @@ def main():
   else:
     shapes = [(4, 2048, 16, 128, 128, 2), (4, 2048, 16, 128, 128, 3), (1, 8192, 16, 128, 128, 2),
               (8, 4096, 32, 128, 128, 2), (4, 2048, 6, 256, 512, 2)]
-  all_shapes = shapes
-  if args.rows:
-    shapes = [all_shapes[int(i)] for i in args.rows.split(",")]
+  # Row numbers as in the full table, so --rows and --ref-rows name the same rows.
+  numbers = [int(i) for i in args.rows.split(",")] if args.rows else list(range(len(shapes)))
+  shapes = [shapes[i] for i in numbers]
   rows = []
   try:
     try:
@@ -267,7 +267,6 @@ def main():
       results.set_meta(compile_error=f"{type(e).__name__}: {e}"[:800])
       print(f"[prefill] first-call timing failed: {type(e).__name__}: {e}")
     common.free_device_memory()
-    numbers = [int(i) for i in args.rows.split(",")] if args.rows else range(len(all_shapes))
     ref_rows = set(numbers) if args.ref_rows == "all" else {
         int(i) for i in args.ref_rows.split(",") if i}
     for i, (B, T, H, K, V, M) in zip(numbers, shapes):
