@@ -35,7 +35,7 @@ SWEEP = {
     "solve": [dict(solve_warps=w, solve_precision=p) for p in ("tf32x3", "tf32", "ieee")
               for w in (1, 2, 4)],
     # BV 16: twice the programs of BV 32 where few sequences x heads leave SMs idle (row 2).
-    "scan": [dict(h_warps=w, h_stages=s, h_bv_wide=bv, h_bv_narrow=bv)
+    "scan": [dict(h_warps=w, h_stages=s, h_bv_wide=bv, h_bv_narrow=bv, h_bv_big_k=bv)
              for w in (4, 8) for s in (2, 3) for bv in (16, 32, 64)],
     "output": [dict(o_warps=w, o_bv=bv, o_bk=bk, o_stages=s) for w in (4, 8)
                for bv in (64, 128) for bk in (64, 128) for s in (2, 3)],

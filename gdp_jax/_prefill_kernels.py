@@ -58,10 +58,13 @@ class _PrefillConfig:
   # with a barrier each. 0.113 against 0.226 ms (4 warps) at B=4 H=16, 0.78 against 1.71 ms at
   # B=8 H=32.
   solve_warps: int = 1
-  # Its off-diagonal 16x16 products on 16-bit inputs: "ieee" (float32 on the CUDA cores, the
-  # timed default), "tf32x3" (tensor cores, float32-level accuracy) or "tf32". Float32 inputs
-  # always take "ieee". Not timed yet: in the stage sweep.
-  solve_precision: str = "ieee"
+  # Its off-diagonal 16x16 products on 16-bit inputs: "tf32x3" (tensor cores, three TF32
+  # products per float32 product: float32-level accuracy, as ALGORITHM.md 4.5 asks), "ieee"
+  # (float32 on the CUDA cores) or "tf32" (one TF32 product: faster, 2.7e-4 relative change of
+  # the bf16-stored Ai). Float32 inputs always take "ieee". H200 (stage sweep, 2026-11-30 session
+  # 5): 0.702 / 0.786 / 0.531 ms at B=8 T=4096 H=32 and 0.100 / 0.114 / 0.079 ms at B=1 T=8192;
+  # ptxas: tf32x3 at one warp has no spills where ieee spills 840 B.
+  solve_precision: str = "tf32x3"
   # Stage 4: one 64x64 Ai block times 128-wide slices of V (64 of K); 8 warps.
   wy_bk: int = 64
   wy_bv: int = 128
@@ -70,10 +73,11 @@ class _PrefillConfig:
   # 0.115 against 0.199 ms (8 warps, 2 stages) at B=4 H=16, 0.94 against 1.44 ms at B=8 H=32,
   # 0.41 against 0.63 ms at K=256. BV 64 when the state fits (K up to 128: two 64x64 float32
   # tiles) unless N*HV*ceil(V/64) programs would leave most SMs idle (a long sequence with few
-  # heads: there twice the programs of half the width finish the sequential chain sooner); 32
-  # for K > 128 (four tiles).
+  # heads: there narrower blocks, i.e. more programs, finish the sequential chain sooner: BV 16
+  # 0.274, 32 0.340, 64 0.425 ms at B=1 T=8192 H=16, session 5); 32 for K > 128 (four tiles).
   h_bv_wide: int = 64
-  h_bv_narrow: int = 32
+  h_bv_narrow: int = 16
+  h_bv_big_k: int = 32
   h_min_programs: int = 66  # half the SMs of an H200 (132); 128 programs measured: 64 wins
   h_warps: int = 4
   h_stages: int = 3
@@ -96,7 +100,7 @@ CONFIG = _PrefillConfig()
 
 def _h_block_v(cfg: _PrefillConfig, N: int, HV: int, K: int, V: int) -> int:
   if K > 128:
-    return cfg.h_bv_narrow
+    return cfg.h_bv_big_k
   if N * HV * -(-V // cfg.h_bv_wide) < cfg.h_min_programs:
     return cfg.h_bv_narrow
   return cfg.h_bv_wide
