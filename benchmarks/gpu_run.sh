@@ -109,8 +109,9 @@ if [[ $STEPS == *,notebooks,* ]]; then
   if [[ $STEPS == *,beside,* ]]; then run_notebooks & NB_PID=$!; else run_notebooks; fi
 fi
 
-# 2. The GPU tests, all of them (no -x; -v names each, so a capped run says which ran), each capped by pytest-timeout, the whole step by
-#    `timeout` (SIGINT first, so pytest still prints its summary of what ran).
+# 2. The GPU tests, all of them (no -x; -v names each, so a capped run says which ran), each
+#    capped by pytest-timeout, the whole step by `timeout` (SIGINT first, so pytest still prints
+#    its summary of what ran).
 if [[ $STEPS == *,tests,* ]]; then
   stamp "pytest -m gpu (cap ${T_TESTS}s)"
   PER_TEST=()
