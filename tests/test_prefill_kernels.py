@@ -220,8 +220,8 @@ def test_prefill_gpu(c):
 @pytest.mark.parametrize("precision", ["ieee", "tf32"])
 def test_prefill_solve_precision_gpu(precision, monkeypatch):
   """The solve's other product precisions (_PrefillConfig.solve_precision; the default, tf32x3,
-  runs in every other GPU test) keep a bf16 prefill within its tolerance. Only a GPU can tell: the interpreter computes every
-  dot in float32 whatever the precision."""
+  runs in every other GPU test) keep a bf16 prefill within its tolerance. Only a GPU can tell:
+  the interpreter computes every dot in float32 whatever the precision."""
   monkeypatch.setattr(pk, "CONFIG", dataclasses.replace(pk.CONFIG, solve_precision=precision))
   check_prefill(GPU_CASES[0], "triton", seed=2)
 
