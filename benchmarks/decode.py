@@ -296,24 +296,24 @@ class Bench:
     del fla_step
     common.free_device_memory()
 
-  def profile_row(self, row, side):
-    """The device kernels of our 16-step loop (side "ours") or of fla-core's 16 eager steps
-    ("fla"): per step, the time kernels ran and the span from the first kernel's start to the
-    last one's end."""
+  def profile_row(self, row):
+    """The device kernels of our 16-step loop (row["side"] "ours") or of fla-core's 16 eager
+    steps ("fla"): per step, the time kernels ran and the span from the first kernel's start to
+    the last one's end."""
     N, HV, D, S = row["N"], row["HV"], row["D"], row["S"]
     steps = self.loop_steps
     x, state, slots, inter = self.inputs(N, HV, D, S, seed=3)
-    if side == "ours":
+    if row["side"] == "ours":
       prof = common.profile_jax(self.run_chain(self.step_fn(D > 1, steps=steps), state, inter,
                                                x, slots))
       what = f"{steps} steps in one jit"
     else:
       prof = common.profile_torch(self.fla_step_fn(x, state, slots), calls=steps)
       what = f"{steps} eager steps"
-    row[f"{side}_kernel_us"] = prof["busy_us"] / steps
-    row[f"{side}_span_us"] = prof["span_us"] / steps
-    row[f"profile_{side}"] = prof
-    common.print_profile(f"{side} N={N} HV={HV} D={D}, {what}", prof, per=steps, unit="step")
+    row["kernel_us"], row["span_us"] = prof["busy_us"] / steps, prof["span_us"] / steps
+    row["profile"] = prof
+    common.print_profile(f"{row['side']} N={N} HV={HV} D={D}, {what}", prof, per=steps,
+                         unit="step")
     common.free_device_memory()
 
   def sweep_shape(self, results, N, HV, D, bvs, warps, budget):
@@ -377,9 +377,8 @@ MAIN_COLS = [
 
 
 PROFILE_COLS = [
-    ("N", "N", "d"), ("HV", "HV", "d"), ("D", "D", "d"),
-    ("ours_kernel_us", "ours_kernels", ".2f"), ("ours_span_us", "ours_span", ".2f"),
-    ("fla_kernel_us", "fla_kernels", ".2f"), ("fla_span_us", "fla_span", ".2f"),
+    ("N", "N", "d"), ("HV", "HV", "d"), ("D", "D", "d"), ("side", "side", ""),
+    ("kernel_us", "kernels", ".2f"), ("span_us", "span", ".2f"),
 ]
 
 
@@ -456,11 +455,10 @@ def main():
           [(1, 2, 1, 1)] if b.smoke else [(1, 16, 1, 1), (8, 16, 1, 8), (256, 16, 1, 256)])
       # Every profile of ours before any of fla-core's: after torch.profiler has run, CUPTI
       # refuses jax.profiler as a second subscriber and our profiles come back empty.
-      prows = [dict(N=N, HV=HV, D=D, S=S) for N, HV, D, S in prof_shapes]
-      for side in ("ours",) + (("fla",) if b.fla is not None else ()):
-        for row in prows:
-          common.run_row(results, f"profile_{side}", row,
-                         lambda row, side=side: b.profile_row(row, side), budget)
+      prows = [common.run_row(results, "profile", dict(N=N, HV=HV, D=D, S=S, side=side),
+                              b.profile_row, budget)
+               for side in ("ours",) + (("fla",) if b.fla is not None else ())
+               for N, HV, D, S in prof_shapes]
       common.print_table(f"decode kernel profile (us per step of {b.loop_steps})", prows,
                          PROFILE_COLS)
 
