@@ -302,12 +302,12 @@ def time_torch_graph(fn, *, steps: int = 16, replays: int = 20, repeats: int = 5
 # --------------------------------------------------------------------------------------------
 
 
-def _kernel_summary(events: list[tuple[str, float, float]]) -> dict:
+def _kernel_summary(events: list[tuple[str, float, float]], timeline: int = 16) -> dict:
   """events: (name, start_us, duration_us). busy is the sum of durations (kernels on one stream
   do not overlap), span the first start to the last end; span - busy is time the device ran
   nothing of this work: launch latency, host work, synchronisation."""
   if not events:
-    return {"kernels": [], "busy_us": 0.0, "span_us": 0.0}
+    return {"kernels": [], "busy_us": 0.0, "span_us": 0.0, "timeline": []}
   per = {}
   for name, _, dur in events:
     n, t = per.get(name, (0, 0.0))
@@ -316,7 +316,13 @@ def _kernel_summary(events: list[tuple[str, float, float]]) -> dict:
   end = max(e[1] + e[2] for e in events)
   kernels = [{"name": k, "count": n, "us": t} for k, (n, t) in per.items()]
   kernels.sort(key=lambda r: -r["us"])
-  return {"kernels": kernels, "busy_us": sum(e[2] for e in events), "span_us": end - start}
+  # The last kernels in launch order with the idle time before each: where the gaps sit.
+  tail = sorted(events, key=lambda e: e[1])[-timeline:]
+  order = [{"name": n, "start_us": s - start, "us": d,
+            "gap_us": s - (p[1] + p[2]) if p else 0.0}
+           for p, (n, s, d) in zip([None] + tail[:-1], tail)]
+  return {"kernels": kernels, "busy_us": sum(e[2] for e in events), "span_us": end - start,
+          "timeline": order}
 
 
 def profile_jax(call, *, calls: int = 1) -> dict:
@@ -375,8 +381,9 @@ def profile_torch(fn, *, calls: int = 1) -> dict:
 
 
 def print_profile(title: str, prof: dict, per: int = 1, unit: str = "call", top: int = 12,
-                  file=None) -> None:
-  """One profile as a table, times and counts divided by `per` (e.g. the steps of a loop)."""
+                  file=None, timeline: bool = False) -> None:
+  """One profile as a table, times and counts divided by `per` (e.g. the steps of a loop); with
+  `timeline`, also the last kernels in launch order with the idle time before each."""
   file = file or sys.stdout
   busy, span = prof["busy_us"] / per, prof["span_us"] / per
   print(f"\n-- profile {title}; per {unit}: kernels {busy:.2f} us, span {span:.2f} us, "
@@ -386,6 +393,11 @@ def print_profile(title: str, prof: dict, per: int = 1, unit: str = "call", top:
   if len(prof["kernels"]) > top:
     rest = sum(k["us"] for k in prof["kernels"][top:]) / per
     print(f"   {rest:10.2f} us  (+{len(prof['kernels']) - top} more kernels)", file=file)
+  if timeline and prof.get("timeline"):
+    print("   last kernels in launch order: idle before, start, device time (us)", file=file)
+    for e in prof["timeline"]:
+      print(f"   {e['gap_us']:8.2f} {e['start_us']:10.2f} {e['us']:10.2f}  {e['name'][:70]}",
+            file=file)
   file.flush()
 
 
