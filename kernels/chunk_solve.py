@@ -9,7 +9,9 @@ I + A is unit lower triangular, and so is its inverse X. Both are split into a 4
    again from A (an L1 hit) rather than picked out of the register tile, which would take a
    second cross-thread reduction per row. The four blocks are independent and advance
    together (four dependency chains in flight); the loop stops at the chunk's valid rows.
-2. Off-diagonal blocks by increasing distance from the diagonal:
+2. Off-diagonal blocks column by column, each column top down (ALGORITHM.md lists them by
+   distance from the diagonal; any order in which every X_mq is final before it is used takes
+   the same products, and this one keeps fewer tiles live, see below):
    X_pq = -X_pp @ sum_{m=q}^{p-1} A_pm @ X_mq, with float32 operands at DOT_PRECISION: "ieee"
    (exact float32 products, on the CUDA cores) or, for 16-bit outputs, "tf32x3" (three TF32
    tensor-core products, float32-level accuracy) or "tf32" (one, about 1e-3 per product).
@@ -104,38 +106,41 @@ def chunk_solve_fwd_kernel(
   b_X22 = tl.where(m_diag, 1., b_L2)
   b_X33 = tl.where(m_diag, 1., b_L3)
 
-  b_A10 = _load_block(p_A, 1, 0, n, HV * BT)
-  b_A20 = _load_block(p_A, 2, 0, n, HV * BT)
-  b_A21 = _load_block(p_A, 2, 1, n, HV * BT)
-  b_A30 = _load_block(p_A, 3, 0, n, HV * BT)
-  b_A31 = _load_block(p_A, 3, 1, n, HV * BT)
-  b_A32 = _load_block(p_A, 3, 2, n, HV * BT)
-
+  # Column by column, each block of A loaded just before its first product and each X block
+  # stored as soon as it is final, so few 16x16 tiles are live at once: 128 registers (16
+  # one-warp programs per SM), where all six A blocks loaded up front and the products taken by
+  # distance from the diagonal needed 225 (8 per SM). The stage is latency-bound: programs per
+  # SM is its speed. The products themselves, and so the bits, are the same in either order.
   P: tl.constexpr = DOT_PRECISION
-  # distance 1
-  b_X10 = -_mm(b_X11, _mm(b_A10, b_X00, P), P)
-  b_X21 = -_mm(b_X22, _mm(b_A21, b_X11, P), P)
-  b_X32 = -_mm(b_X33, _mm(b_A32, b_X22, P), P)
-  # distance 2
-  b_X20 = -_mm(b_X22, _mm(b_A20, b_X00, P) + _mm(b_A21, b_X10, P), P)
-  b_X31 = -_mm(b_X33, _mm(b_A31, b_X11, P) + _mm(b_A32, b_X21, P), P)
-  # distance 3
-  b_X30 = -_mm(b_X33, _mm(b_A30, b_X00, P) + _mm(b_A31, b_X10, P) + _mm(b_A32, b_X20, P), P)
-
   b_0 = tl.zeros([16, 16], dtype=tl.float32)
   _store_block(p_Ai, b_X00, 0, 0, n, HV * BT)
   _store_block(p_Ai, b_0, 0, 1, n, HV * BT)
   _store_block(p_Ai, b_0, 0, 2, n, HV * BT)
   _store_block(p_Ai, b_0, 0, 3, n, HV * BT)
-  _store_block(p_Ai, b_X10, 1, 0, n, HV * BT)
   _store_block(p_Ai, b_X11, 1, 1, n, HV * BT)
   _store_block(p_Ai, b_0, 1, 2, n, HV * BT)
   _store_block(p_Ai, b_0, 1, 3, n, HV * BT)
-  _store_block(p_Ai, b_X20, 2, 0, n, HV * BT)
-  _store_block(p_Ai, b_X21, 2, 1, n, HV * BT)
   _store_block(p_Ai, b_X22, 2, 2, n, HV * BT)
   _store_block(p_Ai, b_0, 2, 3, n, HV * BT)
-  _store_block(p_Ai, b_X30, 3, 0, n, HV * BT)
-  _store_block(p_Ai, b_X31, 3, 1, n, HV * BT)
-  _store_block(p_Ai, b_X32, 3, 2, n, HV * BT)
   _store_block(p_Ai, b_X33, 3, 3, n, HV * BT)
+  # column 0
+  b_A10 = _load_block(p_A, 1, 0, n, HV * BT)
+  b_X10 = -_mm(b_X11, _mm(b_A10, b_X00, P), P)
+  _store_block(p_Ai, b_X10, 1, 0, n, HV * BT)
+  b_A20 = _load_block(p_A, 2, 0, n, HV * BT)
+  b_A21 = _load_block(p_A, 2, 1, n, HV * BT)
+  b_X20 = -_mm(b_X22, _mm(b_A20, b_X00, P) + _mm(b_A21, b_X10, P), P)
+  _store_block(p_Ai, b_X20, 2, 0, n, HV * BT)
+  b_A30 = _load_block(p_A, 3, 0, n, HV * BT)
+  b_A31 = _load_block(p_A, 3, 1, n, HV * BT)
+  b_A32 = _load_block(p_A, 3, 2, n, HV * BT)
+  b_X30 = -_mm(b_X33, _mm(b_A30, b_X00, P) + _mm(b_A31, b_X10, P) + _mm(b_A32, b_X20, P), P)
+  _store_block(p_Ai, b_X30, 3, 0, n, HV * BT)
+  # column 1
+  b_X21 = -_mm(b_X22, _mm(b_A21, b_X11, P), P)
+  _store_block(p_Ai, b_X21, 2, 1, n, HV * BT)
+  b_X31 = -_mm(b_X33, _mm(b_A31, b_X11, P) + _mm(b_A32, b_X21, P), P)
+  _store_block(p_Ai, b_X31, 3, 1, n, HV * BT)
+  # column 2
+  b_X32 = -_mm(b_X33, _mm(b_A32, b_X22, P), P)
+  _store_block(p_Ai, b_X32, 3, 2, n, HV * BT)
