@@ -59,6 +59,14 @@ def make_inputs(B, T, H, HV, K, V, M, seed=0):
       beta=jnp.asarray(rng.uniform(0, 1, (B * T * M, HV)), jnp.float32))
 
 
+def _descriptors(pk, B, T, M):
+  """cu_seqlens and the expanded stream's chunk descriptors of B dense sequences of T tokens."""
+  import jax.numpy as jnp
+  import numpy as np
+  return (jnp.asarray(np.arange(B + 1, dtype=np.int32) * T),
+          jnp.asarray(pk._dense_descriptors(B, T * M)))
+
+
 def stage_calls(pk, x, B, T, M, backend):
   """The stages as jitted functions (lazy: nothing compiles until a call), reading pk.CONFIG
   when they trace."""
@@ -67,10 +75,9 @@ def stage_calls(pk, x, B, T, M, backend):
   import numpy as np
   HV = x["v"].shape[1]
   K = x["k"].shape[2]
-  cu = jnp.asarray(np.arange(B + 1, dtype=np.int32) * T)
+  cu, desc_x = _descriptors(pk, B, T, M)
   nc = -(-T // pk.BT)
   desc_t = jnp.asarray(pk._dense_descriptors(B, T))
-  desc_x = jnp.asarray(pk._dense_descriptors(B, T * M))
   offsets = jnp.asarray(np.arange(B + 1, dtype=np.int32) * nc)
   calls = {
       # Stage 1 is folded into stages 2 and 6.
@@ -181,6 +188,17 @@ def main() -> int:
       print(f"[stages] B={B} T={T} H={H} HV={HV} K={K} V={V} M={M}: "
             + ", ".join(f"{s} {t:.3f} ms ({t / total:.0%})" for s, t in times.items())
             + f"; sum {total:.3f} ms", flush=True)
+      # Stages 2 and 3 in one kernel (_PrefillConfig.fuse_kkt_solve, opt-in), on the same
+      # inputs, against kkt + solve: its Ai checked against theirs before its time counts.
+      fused = jax.jit(lambda k, b, g: pk._kkt_solve(
+          k, b, g, *_descriptors(pk, B, T, M), HV=HV, M=M, dtype=x["k"].dtype,
+          backend=backend)[:2])
+      Ai_f, _ = fused(x["k"], x["beta"], x["g"])
+      row["kkt_solve_err"] = common.rel_err(Ai_f, calls["solve"](*args["solve"]))
+      row["kkt_solve_ms"] = common.time_jax(lambda: fused(x["k"], x["beta"], x["g"]))["ms"]
+      print(f"[stages] kkt+solve fused: {row['kkt_solve_ms']:.3f} ms against "
+            f"{times['kkt'] + times['solve']:.3f} ms (Ai rel. difference "
+            f"{row['kkt_solve_err']:.1e})", flush=True)
       if a.fla and not a.cpu_smoke:
         try:
           ft = fla_stage_times(x, B, T, M)

@@ -8,6 +8,7 @@ It runs, per call:
     stage 1  Gx (expanded stream), Gu (token stream)               inside stages 2 and 6
     stage 2  A = strict_lower(beta K K^T decay), Gx, key factors   chunk_kkt
     stage 3  Ai = (I + A)^-1                                       chunk_solve
+             (stages 2 and 3 in one kernel with CONFIG.fuse_kkt_solve: chunk_kkt_solve)
     stage 4  w, u                                                  chunk_wy
     stage 5  h (chunk states), v_new, final state / cache          chunk_h
     stage 6  o                                                     chunk_o
@@ -65,6 +66,11 @@ class _PrefillConfig:
   # 5): 0.702 / 0.786 / 0.531 ms at B=8 T=4096 H=32 and 0.100 / 0.114 / 0.079 ms at B=1 T=8192;
   # ptxas: tf32x3 at one warp has no spills where ieee spills 840 B.
   solve_precision: str = "tf32x3"
+  # Stages 2 and 3 in one one-warp kernel (chunk_solve.chunk_kkt_solve_fwd_kernel), its 16x16
+  # Gram blocks taking K in BK-wide slices. Off until timed on the H200 against the two kernels
+  # (benchmarks/NOTES.md, session 6).
+  fuse_kkt_solve: bool = False
+  kkt_solve_bk: int = 64
   # Stage 4: one 64x64 Ai block times 128-wide slices of V (64 of K); 8 warps.
   wy_bk: int = 64
   wy_bv: int = 128
@@ -156,6 +162,27 @@ def _solve(A, cu, desc, *, M, dtype, backend):
       HV=HV, M=M, BT=BT,
       DOT_PRECISION="ieee" if jnp.dtype(dtype) == jnp.float32 else CONFIG.solve_precision)
   return Ai
+
+
+def _kkt_solve(k, beta, g, cu, desc, *, HV, M, dtype, backend, l2norm=False):
+  """Stages 2 and 3 in one kernel (chunk_kkt_solve_fwd_kernel): (Ai, Gx or None, rk or None)
+  as _kkt then _solve give them."""
+  TM, H, K = k.shape
+  f32 = jnp.float32
+  Ai, _, gx, rk, _ = _launch.call(
+      "chunk_solve.chunk_kkt_solve_fwd_kernel", k, beta,
+      g if g is not None else _launch.placeholder(), cu, desc,
+      grid=(desc.shape[0], HV),
+      out_shape=[jax.ShapeDtypeStruct((TM, HV, BT), dtype),
+                 jax.ShapeDtypeStruct((TM, HV, BT), f32),
+                 jax.ShapeDtypeStruct((TM, HV) if g is not None else (1,), f32),
+                 jax.ShapeDtypeStruct((TM, H) if l2norm else (1,), f32),
+                 jax.ShapeDtypeStruct((TM, HV) if l2norm else (1,), f32)],
+      backend=backend, num_warps=CONFIG.solve_warps,
+      H=H, HV=HV, K=K, M=M, BT=BT, BK=CONFIG.kkt_solve_bk,
+      USE_G=g is not None, USE_RNORM=l2norm, GRAM_PRECISION=_dot_precision(k.dtype),
+      DOT_PRECISION="ieee" if jnp.dtype(dtype) == jnp.float32 else CONFIG.solve_precision)
+  return Ai, (gx if g is not None else None), (rk if l2norm else None)
 
 
 def _wy(k, v, beta, gx, Ai, cu, desc, *, M, backend, rk=None):
@@ -337,9 +364,13 @@ def _chunk_gated_delta_product_fwd(
   if g is not None:
     g = g.reshape(B * T, HV).astype(jnp.float32)
 
-  A, gx, rk = _kkt(k, beta, g, cu, desc_x, HV=HV, M=M, backend=backend,
-                   l2norm=use_qk_l2norm_in_kernel)
-  Ai = _solve(A, cu, desc_x, M=M, dtype=dtype, backend=backend)
+  if CONFIG.fuse_kkt_solve:
+    Ai, gx, rk = _kkt_solve(k, beta, g, cu, desc_x, HV=HV, M=M, dtype=dtype, backend=backend,
+                            l2norm=use_qk_l2norm_in_kernel)
+  else:
+    A, gx, rk = _kkt(k, beta, g, cu, desc_x, HV=HV, M=M, backend=backend,
+                     l2norm=use_qk_l2norm_in_kernel)
+    Ai = _solve(A, cu, desc_x, M=M, dtype=dtype, backend=backend)
   w, u = _wy(k, v, beta, gx, Ai, cu, desc_x, M=M, backend=backend, rk=rk)
 
   if state is not None:

@@ -226,6 +226,19 @@ def test_prefill_solve_precision_gpu(precision, monkeypatch):
   check_prefill(GPU_CASES[0], "triton", seed=2)
 
 
+@pytest.mark.parametrize("backend", [pytest.param("triton", marks=pytest.mark.gpu),
+                                     "interpret"])
+def test_prefill_fused_kkt_solve(backend, monkeypatch):
+  """The whole prefill with stages 2 and 3 in one kernel (_PrefillConfig.fuse_kkt_solve, off by
+  default until timed) against the reference: GVA, M = 2 and 3, bf16 with in-kernel norms,
+  varlen into cache slots (and K = 256 on the GPU)."""
+  monkeypatch.setattr(pk, "CONFIG", dataclasses.replace(pk.CONFIG, fuse_kkt_solve=True))
+  cases = ([GPU_CASES[0], GPU_CASES[2], GPU_CASES[4]] if backend == "triton"
+           else [CASES[3], CASES[9], CASES[12]])
+  for c in cases:
+    check_prefill(c, backend, seed=3)
+
+
 @settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(data=st.data())
 def test_prefill_random_shapes(data):
@@ -356,6 +369,21 @@ def test_stages(lens, M, K, dtype):
       ref = np.linalg.inv(np.eye(n) + A_np[r0:r0 + n, hv, :n])
       assert np.all(np.triu(blk, 1) == 0), "Ai: not lower triangular (upper blocks unwritten?)"
       assert_close("Ai", ref, blk[:, :n], stored_tol)
+
+  # Stages 2 and 3 fused (_PrefillConfig.fuse_kkt_solve), keys L2-normalised in the kernel as
+  # above: the same Gx bits, the same key factors and Ai as the two kernels, to rounding.
+  kn = jnp.asarray(kk * sc, dt)
+  Ai2, gx2, rk2 = pk._kkt_solve(kn, beta, g, cu, desc_x, HV=HV, M=M, dtype=dt, backend=be,
+                                l2norm=True)
+  Ai_ref = _f(pk._solve(A2, cu, desc_x, M=M, dtype=dt, backend=be))
+  Ai2_np, gx2_np = _f(Ai2), _f(gx2)
+  for r0, n in _chunks(cu_np, M):
+    assert np.array_equal(gx_np[r0:r0 + n], gx2_np[r0:r0 + n]), "fused Gx"
+    assert_close("rk (fused)", _f(rk)[r0:r0 + n], _f(rk2)[r0:r0 + n], 1e-6)
+    for hv in range(HV):
+      blk = Ai2_np[r0:r0 + n, hv]
+      assert np.all(np.triu(blk, 1) == 0), "fused Ai: not lower triangular"
+      assert_close("Ai (fused)", Ai_ref[r0:r0 + n, hv, :n], blk[:, :n], stored_tol)
 
   # Stage 4, from the kernel's Ai and Gx.
   w, u = pk._wy(k, v, beta, gx, Ai, cu, desc_x, M=M, backend=be)

@@ -111,8 +111,15 @@ def main():
   import triton
   from triton.backends.compiler import GPUTarget
   from triton.compiler import ASTSource
+  import dataclasses
+  from gdp_jax import _prefill_kernels as pk
   seen, report = set(), []
-  for case in CASES:
+  default = pk.CONFIG
+  # Each prefill case once more with stages 2 and 3 fused (an opt-in config).
+  runs = [(c, default) for c in CASES] + [
+      (c, dataclasses.replace(default, fuse_kkt_solve=True)) for c in CASES if c[0] == "prefill"]
+  for case, cfg in runs:
+    pk.CONFIG = cfg
     for fn, args, out_shape, warps, stages, constexprs in _record_launches(*case):
       sig, consts, attrs = _signature(fn, args, out_shape, constexprs)
       key = (fn.__name__, tuple(sig.items()), tuple(sorted(consts.items())), warps, stages)
@@ -136,7 +143,7 @@ def test_every_launch_fits_sm90_shared_memory():
   report = json.loads(proc.stdout.strip().splitlines()[-1])
   kernels = {r["kernel"] for r in report}
   # Every kernel of both paths was traced and compiled.
-  assert {"chunk_kkt_fwd_kernel", "chunk_solve_fwd_kernel",
+  assert {"chunk_kkt_fwd_kernel", "chunk_solve_fwd_kernel", "chunk_kkt_solve_fwd_kernel",
           "chunk_wy_fwd_kernel", "chunk_h_fwd_kernel", "chunk_o_fwd_kernel"} <= kernels, kernels
   assert any("decode" in k or "recurrent" in k for k in kernels), kernels
   over = [r for r in report if r["shared"] > SM90_MAX_SHARED]
