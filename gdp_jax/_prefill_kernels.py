@@ -120,6 +120,11 @@ def _dense_descriptors(B: int, L: int) -> np.ndarray:
   return np.stack([seq, local], -1)
 
 
+def _solve_precision(dtype) -> str:
+  # The solve's products: float32 outputs (the reference-precision path) take exact ones.
+  return "ieee" if jnp.dtype(dtype) == jnp.float32 else CONFIG.solve_precision
+
+
 def _dot_precision(dtype) -> str:
   # float32 inputs (interpret mode, references) need full-precision dots; 16-bit inputs take
   # the tensor-core default, which is what "tf32" names for them.
@@ -160,7 +165,7 @@ def _solve(A, cu, desc, *, M, dtype, backend):
       out_shape=[jax.ShapeDtypeStruct((TM, HV, BT), dtype)],
       backend=backend, num_warps=CONFIG.solve_warps,
       HV=HV, M=M, BT=BT,
-      DOT_PRECISION="ieee" if jnp.dtype(dtype) == jnp.float32 else CONFIG.solve_precision)
+      DOT_PRECISION=_solve_precision(dtype))
   return Ai
 
 
@@ -181,7 +186,7 @@ def _kkt_solve(k, beta, g, cu, desc, *, HV, M, dtype, backend, l2norm=False):
       backend=backend, num_warps=CONFIG.solve_warps,
       H=H, HV=HV, K=K, M=M, BT=BT, BK=CONFIG.kkt_solve_bk,
       USE_G=g is not None, USE_RNORM=l2norm, GRAM_PRECISION=_dot_precision(k.dtype),
-      DOT_PRECISION="ieee" if jnp.dtype(dtype) == jnp.float32 else CONFIG.solve_precision)
+      DOT_PRECISION=_solve_precision(dtype))
   return Ai, (gx if g is not None else None), (rk if l2norm else None)
 
 

@@ -26,7 +26,8 @@ stages 2 and 3 in one program: it stores Gx and the key row factors as chunk_kkt
 block by block (16x16 Gram blocks, scaled in chunk_kkt's order), and inverts it after a barrier,
 reading A back while it is still in L1/L2. One warp, as the solve needs: a [64, 64] float32
 Gram tile would not fit its registers, 16x16 blocks do, made one at a time by a runtime loop
-(unrolled, the ten blocks held 152 to 255 registers; looped, the kernel takes the solve's 128).
+(unrolled, the ten blocks held 152 to 255 registers; looped, the kernel takes the solve's 128
+at K=128, 142 at K=256).
 The hope (benchmarks/NOTES.md, session 6): chunk_kkt's tensor-core work fills the issue slots
 the latency-bound solve leaves idle, and A's read from HBM and one launch go.
 
@@ -188,18 +189,15 @@ def _gram(p_k, i_p, i_q, n, STRIDE_K: tl.constexpr, K: tl.constexpr, BK: tl.cons
 
 
 @triton.jit
-def _a_block(p_k, p_A, i_p, i_q, n, p_rk, p_g, p_be, STRIDE: tl.constexpr,
-             STRIDE_K: tl.constexpr, STRIDE_V: tl.constexpr, K: tl.constexpr,
-             BK: tl.constexpr, GRAM_PRECISION: tl.constexpr, USE_G: tl.constexpr,
-             USE_RNORM: tl.constexpr):
-  """Block (p, q) of A, stored at p_A: the Gram block scaled as chunk_kkt scales A, in its
-  order (key row factors, decays 2^(Gx_a - Gx_b) behind a select, since above the diagonal
+def _a_block(b_A, p_A, i_p, i_q, n, p_rk, p_g, p_be, STRIDE: tl.constexpr,
+             STRIDE_V: tl.constexpr, USE_G: tl.constexpr, USE_RNORM: tl.constexpr):
+  """Block (p, q) of A from its Gram block b_A, stored at p_A: scaled as chunk_kkt scales A, in
+  its order (key row factors, decays 2^(Gx_a - Gx_b) behind a select, since above the diagonal
   the exponent may overflow, then beta_a), zero unless row a lies in the sequence and a > b.
   The factors, decays and betas are read by rows from p_rk, p_g, p_be (STRIDE_V apart)."""
   o_i = tl.arange(0, 16)
   o_a = i_p * 16 + o_i
   m = (o_a < n)[:, None] & (o_a[:, None] > (i_q * 16 + o_i)[None, :])
-  b_A = _gram(p_k, i_p, i_q, n, STRIDE_K, K, BK, GRAM_PRECISION)
   if USE_RNORM:
     b_A = b_A * (_rows(p_rk, i_p, n, STRIDE_V)[:, None]
                  * _rows(p_rk, i_q, n, STRIDE_V)[None, :])
@@ -208,18 +206,6 @@ def _a_block(p_k, p_A, i_p, i_q, n, p_rk, p_g, p_be, STRIDE: tl.constexpr,
                                     - _rows(p_g, i_q, n, STRIDE_V)[None, :]), 0.)
   b_A = tl.where(m, b_A * _rows(p_be, i_p, n, STRIDE_V)[:, None], 0.)
   _store_block(p_A, b_A, i_p, i_q, n, STRIDE)
-
-
-@triton.jit
-def _row_factors(p_k, p_rk, i_p, n, STRIDE_K: tl.constexpr, STRIDE_V: tl.constexpr,
-                 K: tl.constexpr, BK: tl.constexpr, GRAM_PRECISION: tl.constexpr):
-  """Key row factors 1 / sqrt(|k|^2 + 1e-6) of block p, stored at p_rk: |k|^2 off the diagonal
-  of the Gram block (exact products, float32 sums), as chunk_kkt takes it."""
-  o_i = tl.arange(0, 16)
-  o_r = i_p * 16 + o_i
-  b_D = _gram(p_k, i_p, i_p, n, STRIDE_K, K, BK, GRAM_PRECISION)
-  b_rk = tl.math.rsqrt(tl.sum(tl.where(o_i[:, None] == o_i[None, :], b_D, 0.), 1) + 1e-6)
-  tl.store(p_rk + o_r * STRIDE_V, b_rk, mask=o_r < n)
 
 
 @triton.jit
@@ -263,19 +249,26 @@ def chunk_kkt_solve_fwd_kernel(
   o_r = tl.arange(0, BT)
   if USE_G:
     tl.store(p_g + o_r * HV, chunk_decays(g, row0, n, i_hv, HV, M, BT), mask=o_r < n)
-  if USE_RNORM:
-    for i_p in range(0, 4):
-      _row_factors(p_k, p_rk, i_p, n, H * K, HV, K, BK, GRAM_PRECISION)
-  # Each 16-row block of A reads decays and factors of other blocks; stores by other lanes of
-  # this program must be visible first, as must A's rows before the substitution reads them.
+  # Stores by other lanes of this program (decays, key factors, A's rows) must be visible before
+  # they are read back by rows: a barrier after each.
   tl.debug_barrier()
+  # Diagonal blocks first: their Gram blocks also give the key factors (|k|^2 off the diagonal,
+  # exact products and float32 sums, as chunk_kkt takes it), which the other blocks need.
+  o_i = tl.arange(0, 16)
+  for i_p in range(0, 4):
+    b_D = _gram(p_k, i_p, i_p, n, H * K, K, BK, GRAM_PRECISION)
+    if USE_RNORM:
+      b_rk = tl.math.rsqrt(tl.sum(tl.where(o_i[:, None] == o_i[None, :], b_D, 0.), 1) + 1e-6)
+      tl.store(p_rk + (i_p * 16 + o_i) * HV, b_rk, mask=i_p * 16 + o_i < n)
+      tl.debug_barrier()
+    _a_block(b_D, p_A, i_p, i_p, n, p_rk, p_g, p_be, HV * BT, HV, USE_G, USE_RNORM)
   if USE_RNORM:
     if i_hv % (HV // H) == 0:
       tl.store(rk + row0 * H + (o_r * H + i_h), tl.load(p_rk + o_r * HV, mask=o_r < n),
                mask=o_r < n)
-  for i_p in range(0, 4):
-    for i_q in range(0, i_p + 1):
-      _a_block(p_k, p_A, i_p, i_q, n, p_rk, p_g, p_be, HV * BT, H * K, HV, K, BK,
-               GRAM_PRECISION, USE_G, USE_RNORM)
+  for i_p in range(1, 4):
+    for i_q in range(0, i_p):
+      _a_block(_gram(p_k, i_p, i_q, n, H * K, K, BK, GRAM_PRECISION), p_A, i_p, i_q, n, p_rk,
+               p_g, p_be, HV * BT, HV, USE_G, USE_RNORM)
   tl.debug_barrier()
   _invert(p_A, Ai + row0 * (HV * BT) + i_hv * BT, n, HV * BT, DOT_PRECISION)
