@@ -55,7 +55,19 @@ def parse_args():
   p.add_argument("--profile", action="store_true",
                  help="per row, also a kernel profile of ours (three calls, with the gaps between "
                       "kernels) and, after all rows, of one call of fla-core's")
+  p.add_argument("--variant", default=None,
+                 help="_PrefillConfig overrides, e.g. fuse_wy_scan=True,h_stages=2: each row "
+                      "also times ours under them (checked against the default's output)")
   return p.parse_args()
+
+
+def parse_variant(text):
+  """'a=1,b=True,c=tf32' as a dict of _PrefillConfig overrides."""
+  if not text:
+    return {}
+  lit = {"True": True, "False": False}
+  return {k: lit.get(v, int(v) if v.lstrip("-").isdigit() else v)
+          for k, v in (item.split("=", 1) for item in text.split(","))}
 
 
 def flops(B, T, H, K, V, M):
@@ -84,6 +96,7 @@ class Bench:
     self.smoke = args.cpu_smoke
     self.skip_ref = args.skip_ref
     self.profile = args.profile
+    self.variant = parse_variant(args.variant)
     import jax
     import jax.numpy as jnp
     import gdp_jax
@@ -163,6 +176,8 @@ class Bench:
     floor = max(row["flop_floor_ms"], row.get("byte_floor_ms") or 0.0)
     row["ours_over_floor"] = row["ours_ms"] / floor
     row["TFLOPs"] = row["flops"] / (row["ours_ms"] * 1e-3) / 1e12
+    if self.variant:
+      self.variant_columns(row, args, M, o)
     if self.profile:
       # Three calls back to back, as the timing loop runs them: the gaps between kernels are
       # the steady state's, not those of a lone call waiting on the host.
@@ -190,6 +205,8 @@ class Bench:
       try:
         row["fla_graph_ms"] = common.time_torch_graph(fla_call, steps=1, replays=10, repeats=5)
         row["ours_over_fla_graph"] = row["ours_ms"] / row["fla_graph_ms"]
+        if "variant_ms" in row:
+          row["variant_over_fla_graph"] = row["variant_ms"] / row["fla_graph_ms"]
       except Exception as e:
         row["fla_graph_error"] = f"{type(e).__name__}: {e}"[:300]
         print(f"[prefill] fla-core in a CUDA graph failed: {row['fla_graph_error']}")
@@ -199,6 +216,25 @@ class Bench:
       self.reference_columns(row, results, args, M, o, fo)
     del o, ht, x, args, fo
     common.free_device_memory()
+
+  def variant_columns(self, row, args, M, o):
+    """Ours under the --variant config overrides (read when the call traces, so the config is
+    swapped around the first call only); its output against the default config's."""
+    import dataclasses
+    from gdp_jax import _prefill_kernels as pk
+    default = pk.CONFIG
+    pk.CONFIG = dataclasses.replace(default, **self.variant)
+    try:
+      f = self.ours_fn(M, backend=self.backend)
+      ov, _ = f(*args)
+      self.jax.block_until_ready(ov)
+    finally:
+      pk.CONFIG = default
+    row["variant_err_o"] = common.rel_err(ov, o)
+    row["variant_ms"] = common.time_jax(lambda: f(*args))["ms"]
+    row["variant_over_ours"] = row["variant_ms"] / row["ours_ms"]
+    print(f"[prefill] variant {self.variant}: {row['variant_ms']:.3f} ms against "
+          f"{row['ours_ms']:.3f} (o rel. difference {row['variant_err_o']:.1e})", flush=True)
 
   def fla_fn(self, x, M):
     """fla-core's call on the inputs `x` (moved to torch once), as a function of nothing."""
@@ -248,6 +284,7 @@ COLS = [
     ("M", "M", "d"), ("ours_ms", "ours_ms", ".3f"), ("ours_spread", "spr", ".2f"),
     ("fla_ms", "fla_ms", ".3f"), ("ours_over_fla", "ours/fla", ".2f"),
     ("fla_graph_ms", "fla_graph", ".3f"), ("ours_over_fla_graph", "ours/graph", ".2f"),
+    ("variant_ms", "variant", ".3f"), ("variant_over_fla_graph", "var/graph", ".2f"),
     ("ours_kernel_ms", "ours_kern", ".3f"), ("fla_kernel_ms", "fla_kern", ".3f"),
     ("flop_floor_ms", "flop_floor", ".3f"), ("byte_floor_ms", "byte_floor", ".3f"),
     ("ours_over_floor", "/floor", ".1f"), ("TFLOPs", "TFLOP/s", ".0f"),

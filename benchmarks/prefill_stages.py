@@ -87,9 +87,10 @@ def stage_calls(pk, x, B, T, M, backend):
                                            backend=backend)),
       "wy": jax.jit(lambda k, v, b, gx, Ai: pk._wy(k, v, b, gx, Ai, cu, desc_x, M=M,
                                                    backend=backend)),
-      "scan": jax.jit(lambda k, w, u, gx: pk._scan(
+      "scan": jax.jit(lambda k, w, u, gx, fused_wy=None: pk._scan(
           k, w, u, gx, cu, offsets, B * nc, M=M, h0=None, state_indices=None,
-          final_kind="dense", h_dtype=x["k"].dtype, snap_dtype=None, backend=backend)),
+          final_kind="dense", h_dtype=x["k"].dtype, snap_dtype=None, backend=backend,
+          fused_wy=fused_wy)),
       "output": jax.jit(lambda q, k, vn, h, g: pk._output(
           q, k, vn, h, g, None, B, cu, desc_t, M=M, scale=K ** -0.5, out_dtype=x["v"].dtype,
           backend=backend)),
@@ -199,6 +200,16 @@ def main() -> int:
       print(f"[stages] kkt+solve fused: {row['kkt_solve_ms']:.3f} ms against "
             f"{times['kkt'] + times['solve']:.3f} ms (Ai rel. difference "
             f"{row['kkt_solve_err']:.1e})", flush=True)
+      # Stage 4 folded into the scan (_PrefillConfig.fuse_wy_scan), against wy + scan: its
+      # v_new and chunk states checked against theirs before its time counts.
+      sargs = (x["k"], None, None, args["scan"][3], (x["v"], x["beta"], args["wy"][4]))
+      h_f, _, vn_f, _ = calls["scan"](*sargs)
+      h_u, _, vn_u, _ = calls["scan"](*args["scan"])
+      row["wy_scan_err"] = common.worst(common.rel_err(vn_f, vn_u), common.rel_err(h_f, h_u))
+      row["wy_scan_ms"] = common.time_jax(lambda: calls["scan"](*sargs))["ms"]
+      print(f"[stages] wy+scan fused: {row['wy_scan_ms']:.3f} ms against "
+            f"{times['wy'] + times['scan']:.3f} ms (v_new, h rel. difference "
+            f"{row['wy_scan_err']:.1e})", flush=True)
       if a.fla and not a.cpu_smoke:
         try:
           ft = fla_stage_times(x, B, T, M)

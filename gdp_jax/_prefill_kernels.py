@@ -75,6 +75,9 @@ class _PrefillConfig:
   wy_bk: int = 64
   wy_bv: int = 128
   wy_warps: int = 8
+  # Stage 4 folded into stage 5 (chunk_h's FUSE_WY): no w, u written and read back. Off until
+  # timed on the H200 (benchmarks/NOTES.md, session 7).
+  fuse_wy_scan: bool = False
   # Stage 5: 4 warps, 3 stages (the next chunk's w, u, k tiles load while this one computes):
   # 0.115 against 0.199 ms (8 warps, 2 stages) at B=4 H=16, 0.94 against 1.44 ms at B=8 H=32,
   # 0.41 against 0.63 ms at K=256. BV 64 when the state fits (K up to 128: two 64x64 float32
@@ -208,11 +211,11 @@ def _wy(k, v, beta, gx, Ai, cu, desc, *, M, backend, rk=None):
 
 
 def _scan(k, w, u, gx, cu, offsets, n_rows, *, M, h0, state_indices, final_kind,
-          h_dtype, snap_dtype, backend, rk=None):
+          h_dtype, snap_dtype, backend, rk=None, fused_wy=None):
   """Stage 5: the inter-chunk scan.
 
   Args:
-    k, w, u: [T*M, H, K], [T*M, HV, K], [T*M, HV, V].
+    k, w, u: [T*M, H, K], [T*M, HV, K], [T*M, HV, V]; w and u are None with `fused_wy`.
     gx: [T*M, HV] float32 or None.
     cu, offsets: [N+1] int32 sequence starts and first rows in the chunk states.
     n_rows: rows of the chunk-state outputs (static).
@@ -223,12 +226,14 @@ def _scan(k, w, u, gx, cu, offsets, n_rows, *, M, h0, state_indices, final_kind,
     h_dtype: dtype of the chunk states read by stage 6.
     snap_dtype: dtype of a second copy of the chunk states, or None for no copy.
     rk: None, or the key row factors [T*M, H].
+    fused_wy: None, or (v, beta, Ai) as stage 4 takes them: the scan then forms w S and u
+      itself (stage 4 folded in, chunk_h's FUSE_WY).
 
   Returns:
     (h, h_snap or None, v_new, final or None).
   """
   TM, H, K = k.shape
-  _, HV, V = u.shape
+  _, HV, V = (u if fused_wy is None else fused_wy[0]).shape
   N = cu.shape[0] - 1
   bv = _h_block_v(CONFIG, N, HV, K, V)
   out_shape = [
@@ -246,14 +251,17 @@ def _scan(k, w, u, gx, cu, offsets, n_rows, *, M, h0, state_indices, final_kind,
   else:
     out_shape.append(jax.ShapeDtypeStruct((1,), jnp.float32))
   S = h0.shape[0] if h0 is not None else N
+  ph = _launch.placeholder
+  v, beta, Ai = fused_wy if fused_wy is not None else (ph(), ph(), ph())
   h, h_snap, v_new, ht = _launch.call(
-      "chunk_h.chunk_h_fwd_kernel", k, w, u,
+      "chunk_h.chunk_h_fwd_kernel", k,
+      w if w is not None else ph(), u if u is not None else ph(),
       gx if gx is not None else _launch.placeholder(),
       h0 if h0 is not None else _launch.placeholder(),
       state_indices if state_indices is not None else _launch.placeholder(jnp.int32),
       cu, offsets,
       HV * K * V, K * V, S,
-      rk if rk is not None else _launch.placeholder(),
+      rk if rk is not None else _launch.placeholder(), v, beta, Ai,
       grid=(N * HV, -(-V // bv)),
       out_shape=out_shape,
       input_output_aliases=aliases,
@@ -263,7 +271,7 @@ def _scan(k, w, u, gx, cu, offsets, n_rows, *, M, h0, state_indices, final_kind,
       USE_G=gx is not None, USE_INITIAL_STATE=h0 is not None,
       STORE_FINAL_STATE=final_kind != "none", HAS_STATE_INDICES=state_indices is not None,
       STORE_SNAPSHOT=snap_dtype is not None, USE_RNORM=rk is not None,
-      DOT_PRECISION=_dot_precision(k.dtype))
+      FUSE_WY=fused_wy is not None, DOT_PRECISION=_dot_precision(k.dtype))
   return (h, h_snap if snap_dtype is not None else None, v_new,
           ht if final_kind != "none" else None)
 
@@ -376,7 +384,10 @@ def _chunk_gated_delta_product_fwd(
     A, gx, rk = _kkt(k, beta, g, cu, desc_x, HV=HV, M=M, backend=backend,
                      l2norm=use_qk_l2norm_in_kernel)
     Ai = _solve(A, cu, desc_x, M=M, dtype=dtype, backend=backend)
-  w, u = _wy(k, v, beta, gx, Ai, cu, desc_x, M=M, backend=backend, rk=rk)
+  if CONFIG.fuse_wy_scan:
+    w = u = None
+  else:
+    w, u = _wy(k, v, beta, gx, Ai, cu, desc_x, M=M, backend=backend, rk=rk)
 
   if state is not None:
     h0, final_kind = state, "cache"
@@ -398,7 +409,7 @@ def _chunk_gated_delta_product_fwd(
   h, h_snap, v_new, final = _scan(
       k, w, u, gx, cu, offsets, n_rows, M=M, h0=h0, state_indices=state_indices,
       final_kind=final_kind, h_dtype=h_dtype, snap_dtype=snap_dtype, backend=backend,
-      rk=rk)
+      rk=rk, fused_wy=(v, beta, Ai) if CONFIG.fuse_wy_scan else None)
   S = state.shape[0] if state is not None else N
   o = _output(q, k, v_new, h, g, state_indices, S, cu, desc_t, M=M, scale=scale,
               out_dtype=out_dtype, backend=backend, rk=rk)

@@ -13,6 +13,15 @@ layout is why K <= 256), and sweeps the sequence's NX expanded chunks in order
         S += K[rows]^T @ D
     final state = S
 
+With FUSE_WY the program forms D from stage 4's definitions instead of reading w and u
+(ALGORITHM.md §4.6: w S = Ai diag(beta 2^Gx) K S, one [64, K] x [K, BV] product with the keys
+in place of the one with w):
+
+        D = Ai @ (diag(beta) V[rows] - diag(beta 2^Gx rk) (K[rows] @ S))
+
+so stage 4 and its w, u round trip through memory are skipped; the operand of the Ai product is
+formed in float32 and rounded to the input dtype, as stage 4 rounds its own.
+
 The dots take w, K and the state in the input dtype and accumulate in float32. The checkpoint
 is written in the dtype of `h` (read back by stage 6) and, with STORE_SNAPSHOT, again in the
 dtype of `h_snap` (the caller's chunk_states dtype, when stage 6 cannot read that one without
@@ -110,6 +119,9 @@ def chunk_h_fwd_kernel(
     stride_hv,      # elements between heads of h0 and ht; the [K, V] part is contiguous
     S,              # slots of the cache: a slot outside [0, S) is padding
     rk,             # [T*M, H] float32 1/|k| row factors (USE_RNORM; else a placeholder)
+    v,              # [T*M, HV, V] values, input dtype (FUSE_WY; else a placeholder, as are
+    beta,           # [T*M, HV] float32                  beta and Ai; w and u are placeholders
+    Ai,             # [T*M, HV, BT] stage 3, input dtype  with FUSE_WY)
     # outputs
     h,              # [NCR, HV, K, V] entering state of every token chunk, read by stage 6
     h_snap,         # [NCR, HV, K, V] the same in the chunk_states dtype (placeholder unless
@@ -132,6 +144,7 @@ def chunk_h_fwd_kernel(
     HAS_STATE_INDICES: tl.constexpr,
     STORE_SNAPSHOT: tl.constexpr,
     USE_RNORM: tl.constexpr,  # keys L2-normalised by their row factors, applied after dots
+    FUSE_WY: tl.constexpr,    # D from v, beta and Ai (above) instead of w and u
     DOT_PRECISION: tl.constexpr,  # "ieee" for float32 inputs, else the tensor-core default
 ):
   i_nh, i_v = tl.program_id(0), tl.program_id(1)
@@ -197,19 +210,44 @@ def chunk_h_fwd_kernel(
     row = bos_x + o_r
     if USE_RNORM:
       b_rk = tl.load(rk + row * H + i_h, mask=mask_r, other=0.)
-    b_wh = _rows_dot_state(p_w, row, mask_r, b_h1, b_h2, b_h3, b_h4, o_k, HV * K, K,
-                           DOT_PRECISION)
-
+    if USE_G:
+      b_g = tl.load(g_cum + row * HV + i_hv, mask=mask_r, other=0.)
     m_rv = mask_r[:, None] & mask_v[None, :]
     off_v = row[:, None] * (HV * V) + i_hv * V + o_v[None, :]
-    b_v = tl.load(u + off_v, mask=m_rv, other=0.).to(tl.float32) - b_wh
+    if FUSE_WY:
+      # The key tiles are loaded once, for K S here and (transposed) K^T D below.
+      b_k1 = _row_tile(p_k, row, mask_r, 0, o_k, H * K, K)
+      b_ks = tl.dot(b_k1, b_h1.to(b_k1.dtype), input_precision=DOT_PRECISION)
+      if K > 64:
+        b_k2 = _row_tile(p_k, row, mask_r, 1, o_k, H * K, K)
+        b_ks += tl.dot(b_k2, b_h2.to(b_k2.dtype), input_precision=DOT_PRECISION)
+      if K > 128:
+        b_k3 = _row_tile(p_k, row, mask_r, 2, o_k, H * K, K)
+        b_ks += tl.dot(b_k3, b_h3.to(b_k3.dtype), input_precision=DOT_PRECISION)
+      if K > 192:
+        b_k4 = _row_tile(p_k, row, mask_r, 3, o_k, H * K, K)
+        b_ks += tl.dot(b_k4, b_h4.to(b_k4.dtype), input_precision=DOT_PRECISION)
+      b_beta = tl.load(beta + row * HV + i_hv, mask=mask_r, other=0.).to(tl.float32)
+      b_kscale = b_beta
+      if USE_G:
+        b_kscale = b_kscale * tl.exp2(b_g)
+      if USE_RNORM:
+        b_kscale = b_kscale * b_rk
+      b_x = (tl.load(v + off_v, mask=m_rv, other=0.).to(tl.float32) * b_beta[:, None]
+             - b_ks * b_kscale[:, None])
+      b_Ai = tl.load(Ai + row[:, None] * (HV * BT) + i_hv * BT + tl.arange(0, BT)[None, :],
+                     mask=mask_r[:, None], other=0.)
+      b_v = tl.dot(b_Ai, b_x.to(b_Ai.dtype), input_precision=DOT_PRECISION)
+    else:
+      b_wh = _rows_dot_state(p_w, row, mask_r, b_h1, b_h2, b_h3, b_h4, o_k, HV * K, K,
+                             DOT_PRECISION)
+      b_v = tl.load(u + off_v, mask=m_rv, other=0.).to(tl.float32) - b_wh
     # Stored before the decay scaling below: stage 6 applies its own decays.
     tl.store(v_new + off_v, b_v.to(v_new.dtype.element_ty), mask=m_rv)
 
     if USE_G:
       i_last = tl.minimum(i_e * BT + BT, len_x) - 1
       b_g_last = tl.load(g_cum + (bos_x + i_last) * HV + i_hv)
-      b_g = tl.load(g_cum + row * HV + i_hv, mask=mask_r, other=0.)
       b_v = b_v * tl.where(mask_r, tl.exp2(b_g_last - b_g), 0.)[:, None]
       b_decay = tl.exp2(b_g_last)
       b_h1 *= b_decay
@@ -223,17 +261,26 @@ def chunk_h_fwd_kernel(
       b_v = b_v * b_rk[:, None]  # normalised K^T D = K^T (diag(1/|k|) D)
     b_v = b_v.to(k.dtype.element_ty)
 
-    b_h1 += tl.dot(_row_tile_t(p_k, row, mask_r, 0, o_k, H * K, K), b_v,
-                   input_precision=DOT_PRECISION)
-    if K > 64:
-      b_h2 += tl.dot(_row_tile_t(p_k, row, mask_r, 1, o_k, H * K, K), b_v,
+    if FUSE_WY:
+      b_h1 += tl.dot(tl.trans(b_k1), b_v, input_precision=DOT_PRECISION)
+      if K > 64:
+        b_h2 += tl.dot(tl.trans(b_k2), b_v, input_precision=DOT_PRECISION)
+      if K > 128:
+        b_h3 += tl.dot(tl.trans(b_k3), b_v, input_precision=DOT_PRECISION)
+      if K > 192:
+        b_h4 += tl.dot(tl.trans(b_k4), b_v, input_precision=DOT_PRECISION)
+    else:
+      b_h1 += tl.dot(_row_tile_t(p_k, row, mask_r, 0, o_k, H * K, K), b_v,
                      input_precision=DOT_PRECISION)
-    if K > 128:
-      b_h3 += tl.dot(_row_tile_t(p_k, row, mask_r, 2, o_k, H * K, K), b_v,
-                     input_precision=DOT_PRECISION)
-    if K > 192:
-      b_h4 += tl.dot(_row_tile_t(p_k, row, mask_r, 3, o_k, H * K, K), b_v,
-                     input_precision=DOT_PRECISION)
+      if K > 64:
+        b_h2 += tl.dot(_row_tile_t(p_k, row, mask_r, 1, o_k, H * K, K), b_v,
+                       input_precision=DOT_PRECISION)
+      if K > 128:
+        b_h3 += tl.dot(_row_tile_t(p_k, row, mask_r, 2, o_k, H * K, K), b_v,
+                       input_precision=DOT_PRECISION)
+      if K > 192:
+        b_h4 += tl.dot(_row_tile_t(p_k, row, mask_r, 3, o_k, H * K, K), b_v,
+                       input_precision=DOT_PRECISION)
 
   if STORE_FINAL_STATE:
     p_ht = ht + i_s * stride_s + i_hv * stride_hv

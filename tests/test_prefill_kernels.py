@@ -239,6 +239,19 @@ def test_prefill_fused_kkt_solve(backend, monkeypatch):
     check_prefill(c, backend, seed=3)
 
 
+@pytest.mark.parametrize("backend", [pytest.param("triton", marks=pytest.mark.gpu),
+                                     "interpret"])
+def test_prefill_fused_wy_scan(backend, monkeypatch):
+  """The whole prefill with stage 4 folded into the scan (_PrefillConfig.fuse_wy_scan) against
+  the reference: GVA, in-kernel norms with feature masking, K = 256, no decay and no beta, bf16,
+  varlen into cache slots."""
+  monkeypatch.setattr(pk, "CONFIG", dataclasses.replace(pk.CONFIG, fuse_wy_scan=True))
+  cases = ([GPU_CASES[0], GPU_CASES[2], GPU_CASES[4]] if backend == "triton"
+           else [CASES[3], CASES[4], CASES[5], CASES[6], CASES[9], CASES[12]])
+  for c in cases:
+    check_prefill(c, backend, seed=4)
+
+
 @settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(data=st.data())
 def test_prefill_random_shapes(data):
