@@ -39,7 +39,6 @@ SWEEP = {
              for w in (4, 8) for s in (2, 3) for bv in (16, 32, 64)],
     "output": [dict(o_warps=w, o_bv=bv, o_bk=bk, o_stages=s) for w in (4, 8)
                for bv in (64, 128) for bk in (64, 128) for s in (2, 3)],
-    "wy": [dict(wy_warps=w, wy_bv=bv) for w in (2, 4, 8) for bv in (32, 64, 128)],
     "kkt": [dict(kkt_warps=w, kkt_bk=bk) for w in (2, 4, 8) for bk in (64, 128)],
 }
 
@@ -85,12 +84,10 @@ def stage_calls(pk, x, B, T, M, backend):
                                              backend=backend)[:2]),
       "solve": jax.jit(lambda A: pk._solve(A, cu, desc_x, M=M, dtype=x["k"].dtype,
                                            backend=backend)),
-      "wy": jax.jit(lambda k, v, b, gx, Ai: pk._wy(k, v, b, gx, Ai, cu, desc_x, M=M,
-                                                   backend=backend)),
-      "scan": jax.jit(lambda k, w, u, gx, fused_wy=None: pk._scan(
-          k, w, u, gx, cu, offsets, B * nc, M=M, h0=None, state_indices=None,
-          final_kind="dense", h_dtype=x["k"].dtype, snap_dtype=None, backend=backend,
-          fused_wy=fused_wy)),
+      # Stage 4 is folded into the scan.
+      "scan": jax.jit(lambda k, v, b, Ai, gx: pk._scan(
+          k, v, b, Ai, gx, cu, offsets, B * nc, M=M, h0=None, state_indices=None,
+          final_kind="dense", h_dtype=x["k"].dtype, snap_dtype=None, backend=backend)),
       "output": jax.jit(lambda q, k, vn, h, g: pk._output(
           q, k, vn, h, g, None, B, cu, desc_t, M=M, scale=K ** -0.5, out_dtype=x["v"].dtype,
           backend=backend)),
@@ -102,10 +99,10 @@ def stage_args(calls, x):
   """Each stage's inputs, from running the stages before it once."""
   A, gx = calls["kkt"](x["k"], x["beta"], x["g"])
   Ai = calls["solve"](A)
-  w, u = calls["wy"](x["k"], x["v"], x["beta"], gx, Ai)
-  h, _, v_new, _ = calls["scan"](x["k"], w, u, gx)
+  scan_args = (x["k"], x["v"], x["beta"], Ai, gx)
+  h, _, v_new, _ = calls["scan"](*scan_args)
   args = {"kkt": (x["k"], x["beta"], x["g"]), "solve": (A,),
-          "wy": (x["k"], x["v"], x["beta"], gx, Ai), "scan": (x["k"], w, u, gx),
+          "scan": scan_args,
           "output": (x["q"], x["k"], v_new, h, x["g"])}
   return args
 
@@ -189,8 +186,9 @@ def main() -> int:
       print(f"[stages] B={B} T={T} H={H} HV={HV} K={K} V={V} M={M}: "
             + ", ".join(f"{s} {t:.3f} ms ({t / total:.0%})" for s, t in times.items())
             + f"; sum {total:.3f} ms", flush=True)
-      # Stages 2 and 3 in one kernel (_PrefillConfig.fuse_kkt_solve, opt-in), on the same
-      # inputs, against kkt + solve: its Ai checked against theirs before its time counts.
+      # Stages 2 and 3 in one kernel (the prefill's choice for K > kkt_solve_fuse_above_k; the
+      # stage times above are always the two kernels'), on the same inputs, against kkt +
+      # solve: its Ai checked against theirs before its time counts.
       fused = jax.jit(lambda k, b, g: pk._kkt_solve(
           k, b, g, *_descriptors(pk, B, T, M), HV=HV, M=M, dtype=x["k"].dtype,
           backend=backend)[:2])
@@ -200,24 +198,18 @@ def main() -> int:
       print(f"[stages] kkt+solve fused: {row['kkt_solve_ms']:.3f} ms against "
             f"{times['kkt'] + times['solve']:.3f} ms (Ai rel. difference "
             f"{row['kkt_solve_err']:.1e})", flush=True)
-      # Stage 4 folded into the scan (_PrefillConfig.fuse_wy_scan), against wy + scan: its
-      # v_new and chunk states checked against theirs before its time counts.
-      sargs = (x["k"], None, None, args["scan"][3], (x["v"], x["beta"], args["wy"][4]))
-      h_f, _, vn_f, _ = calls["scan"](*sargs)
-      h_u, _, vn_u, _ = calls["scan"](*args["scan"])
-      row["wy_scan_err"] = common.worst(common.rel_err(vn_f, vn_u), common.rel_err(h_f, h_u))
-      row["wy_scan_ms"] = common.time_jax(lambda: calls["scan"](*sargs))["ms"]
-      print(f"[stages] wy+scan fused: {row['wy_scan_ms']:.3f} ms against "
-            f"{times['wy'] + times['scan']:.3f} ms (v_new, h rel. difference "
-            f"{row['wy_scan_err']:.1e})", flush=True)
       if a.fla and not a.cpu_smoke:
         try:
           ft = fla_stage_times(x, B, T, M)
           row.update({f"fla_{s}_ms": v for s, v in ft.items()})
           row["fla_sum_ms"] = sum(ft.values())
-          # fla's cumsum has no counterpart of ours (folded into kkt and output).
+          # fla's cumsum has no counterpart of ours (folded into kkt and output), its wy none
+          # either (folded into our scan, so our scan stands against its wy + scan).
+          fla_eq = dict(ft, scan=ft["wy"] + ft["scan"])
           print("[stages] fla-core: " + ", ".join(
-              f"{s} {v:.3f} ms" + (f" (ours/fla {times[s] / v:.2f})" if s in times else "")
+              f"{s} {v:.3f} ms" + (f" (ours/fla {times[s] / fla_eq[s]:.2f}"
+                                   + (" against wy + scan)" if s == "scan" else ")")
+                                   if s in times else "")
               for s, v in ft.items())
                 + f"; sum {row['fla_sum_ms']:.3f} ms", flush=True)
         except Exception as e:  # fla absent or its API moved: our columns still count
@@ -250,7 +242,7 @@ def main() -> int:
 
     common.run_row(res, "stages", row, body, budget, margin=30)
   common.print_table("prefill stages (ms)", res.data["sections"].get("stages", []),
-                     [(c, c, ".3f") for c in ("kkt_ms", "solve_ms", "wy_ms",
+                     [(c, c, ".3f") for c in ("kkt_ms", "solve_ms", "kkt_solve_ms",
                                               "scan_ms", "output_ms", "sum_ms")])
   common.print_table("fla-core stages (ms)", res.data["sections"].get("stages", []),
                      [(c, c, ".3f") for c in ("fla_cumsum_ms", "fla_kkt_ms", "fla_solve_ms",

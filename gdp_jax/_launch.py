@@ -128,10 +128,15 @@ def call(
     raise ValueError(f"grid: axes 1 and 2 are capped at 65535 by CUDA, got {grid}")
   args = [a if _is_array(a) else _scalar(a) for a in args]
   aliases = dict(input_output_aliases or {})
-  for i in aliases:
+  out_shape = [jax.ShapeDtypeStruct(s.shape, s.dtype) for s in out_shape]
+  for i, j in aliases.items():
     if not _is_array(args[i]):
       raise ValueError(f"input_output_aliases: argument {i} is a scalar")
-  out_shape = [jax.ShapeDtypeStruct(s.shape, s.dtype) for s in out_shape]
+    # An output aliased to the wrong argument would be written through that argument's buffer.
+    if (args[i].shape, args[i].dtype) != (out_shape[j].shape, out_shape[j].dtype):
+      raise ValueError(
+          f"input_output_aliases: argument {i} is {args[i].dtype}{list(args[i].shape)}, output "
+          f"{j} is {out_shape[j].dtype}{list(out_shape[j].shape)}")
   if backend not in ("triton", "interpret"):
     raise ValueError(
         f"backend: expected 'triton' or 'interpret' for a kernel launch, got {backend!r}")

@@ -88,6 +88,17 @@ def test_launch_rejects_bad_grid():
                  out_shape=[jax.ShapeDtypeStruct(x.shape, x.dtype)], backend="interpret", D=10, BD=16)
 
 
+def test_launch_rejects_alias_of_another_shape():
+  # An output aliased to the wrong argument (a launcher's argument list shifted) would be
+  # written through a buffer of another size.
+  x, idx, cache = _case(jnp.float32)
+  with pytest.raises(ValueError, match="input_output_aliases: argument 0"):
+    _launch.call(_scaled_row_update_kernel, x, idx, cache, 1.0, cache.shape[0], grid=(1,),
+                 out_shape=[jax.ShapeDtypeStruct(x.shape, x.dtype),
+                            jax.ShapeDtypeStruct(cache.shape, cache.dtype)],
+                 backend="interpret", input_output_aliases={0: 1}, D=x.shape[1], BD=16)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["fp32", "bf16"])
 def test_aliased_cache_triton_donated(dtype):

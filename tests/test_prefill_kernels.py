@@ -228,28 +228,16 @@ def test_prefill_solve_precision_gpu(precision, monkeypatch):
 
 @pytest.mark.parametrize("backend", [pytest.param("triton", marks=pytest.mark.gpu),
                                      "interpret"])
-def test_prefill_fused_kkt_solve(backend, monkeypatch):
-  """The whole prefill with stages 2 and 3 in one kernel (_PrefillConfig.fuse_kkt_solve, off by
-  default until timed) against the reference: GVA, M = 2 and 3, bf16 with in-kernel norms,
-  varlen into cache slots (and K = 256 on the GPU)."""
-  monkeypatch.setattr(pk, "CONFIG", dataclasses.replace(pk.CONFIG, fuse_kkt_solve=True))
+def test_prefill_kkt_solve_other_path(backend, monkeypatch):
+  """The whole prefill with stages 2 and 3 the way its K does not pick them
+  (_PrefillConfig.kkt_solve_fuse_above_k): one kernel at K <= 128, two at K = 256, against the
+  reference: GVA, M = 2 and 3, bf16 with in-kernel norms, varlen into cache slots."""
   cases = ([GPU_CASES[0], GPU_CASES[2], GPU_CASES[4]] if backend == "triton"
-           else [CASES[3], CASES[9], CASES[12]])
+           else [CASES[3], CASES[5], CASES[9], CASES[12]])
   for c in cases:
+    monkeypatch.setattr(pk, "CONFIG", dataclasses.replace(
+        pk.CONFIG, kkt_solve_fuse_above_k=256 if c.K > 128 else 0))
     check_prefill(c, backend, seed=3)
-
-
-@pytest.mark.parametrize("backend", [pytest.param("triton", marks=pytest.mark.gpu),
-                                     "interpret"])
-def test_prefill_fused_wy_scan(backend, monkeypatch):
-  """The whole prefill with stage 4 folded into the scan (_PrefillConfig.fuse_wy_scan) against
-  the reference: GVA, in-kernel norms with feature masking, K = 256, no decay and no beta, bf16,
-  varlen into cache slots."""
-  monkeypatch.setattr(pk, "CONFIG", dataclasses.replace(pk.CONFIG, fuse_wy_scan=True))
-  cases = ([GPU_CASES[0], GPU_CASES[2], GPU_CASES[4]] if backend == "triton"
-           else [CASES[3], CASES[4], CASES[5], CASES[6], CASES[9], CASES[12]])
-  for c in cases:
-    check_prefill(c, backend, seed=4)
 
 
 @settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -383,7 +371,7 @@ def test_stages(lens, M, K, dtype):
       assert np.all(np.triu(blk, 1) == 0), "Ai: not lower triangular (upper blocks unwritten?)"
       assert_close("Ai", ref, blk[:, :n], stored_tol)
 
-  # Stages 2 and 3 fused (_PrefillConfig.fuse_kkt_solve), keys L2-normalised in the kernel as
+  # Stages 2 and 3 in one kernel (_kkt_solve), keys L2-normalised in the kernel as
   # above: the same Gx bits, the same key factors and Ai as the two kernels, to rounding.
   kn = jnp.asarray(kk * sc, dt)
   Ai2, gx2, rk2 = pk._kkt_solve(kn, beta, g, cu, desc_x, HV=HV, M=M, dtype=dt, backend=be,
@@ -398,22 +386,12 @@ def test_stages(lens, M, K, dtype):
       assert np.all(np.triu(blk, 1) == 0), "fused Ai: not lower triangular"
       assert_close("Ai (fused)", Ai_ref[r0:r0 + n, hv, :n], blk[:, :n], stored_tol)
 
-  # Stage 4, from the kernel's Ai and Gx.
-  w, u = pk._wy(k, v, beta, gx, Ai, cu, desc_x, M=M, backend=be)
-  assert w.dtype == dt and u.dtype == dt
-  w_np, u_np, v_np = _f(w), _f(u), _f(v)
-  for r0, n in _chunks(cu_np, M):
-    for hv in range(HV):
-      ai = Ai_np[r0:r0 + n, hv, :n]
-      bb = b_np[r0:r0 + n, hv, None]
-      assert_close("u", ai @ (bb * v_np[r0:r0 + n, hv]), u_np[r0:r0 + n, hv], stored_tol)
-      ref_w = ai @ (bb * np.exp2(gx_np[r0:r0 + n, hv, None]) * k_np[r0:r0 + n, hv // G])
-      assert_close("w", ref_w, w_np[r0:r0 + n, hv], stored_tol)
-
-  # Stage 5, from the kernel's w and u: checkpoints, v_new, final state.
-  h, _, v_new, ht = pk._scan(k, w, u, gx, cu, offs, n_t, M=M, h0=h0, state_indices=None,
+  # Stages 4 and 5 (w and u formed inside the scan), from the kernel's Ai and Gx: checkpoints,
+  # v_new, final state.
+  h, _, v_new, ht = pk._scan(k, v, beta, Ai, gx, cu, offs, n_t, M=M, h0=h0, state_indices=None,
                              final_kind="dense", h_dtype=jnp.float32, snap_dtype=None,
                              backend=be)
+  v_np = _f(v)
   h_np, vn_np = _f(h), _f(v_new)
   for n in range(N):
     S = _f(h0[n]).copy()
@@ -424,9 +402,10 @@ def test_stages(lens, M, K, dtype):
         assert_close(f"h[{n}, {e // M}]", S, h_np[int(offs[n]) + e // M], state_tol)
       for hv in range(HV):
         kc = k_np[r0:r0 + nr, hv // G]
-        d = u_np[r0:r0 + nr, hv] - w_np[r0:r0 + nr, hv] @ S[hv]
+        bb, gc = b_np[r0:r0 + nr, hv, None], gx_np[r0:r0 + nr, hv]
+        d = Ai_np[r0:r0 + nr, hv, :nr] @ (bb * v_np[r0:r0 + nr, hv]
+                                          - bb * np.exp2(gc)[:, None] * (kc @ S[hv]))
         assert_close("v_new", d, vn_np[r0:r0 + nr, hv], stored_tol)
-        gc = gx_np[r0:r0 + nr, hv]
         S[hv] = np.exp2(gc[-1]) * S[hv] + kc.T @ (np.exp2(gc[-1] - gc)[:, None] * d)
     assert_close(f"final[{n}]", S, _f(ht[n]), state_tol)
 
