@@ -56,7 +56,7 @@ def parse_args():
                  help="per row, also a kernel profile of ours (three calls, with the gaps between "
                       "kernels) and, after all rows, of one call of fla-core's")
   p.add_argument("--variant", default=None,
-                 help="_PrefillConfig overrides, e.g. kkt_solve_fuse_above_k=0,h_stages=2: each row "
+                 help="_PrefillConfig overrides, e.g. h_min_programs=0,h_stages=2: each row "
                       "also times ours under them (checked against the default's output)")
   return p.parse_args()
 
@@ -71,17 +71,15 @@ def parse_variant(text):
 
 
 def flops(B, T, H, K, V, M):
-  """Matmul FLOPs of the chunked forward as ours computes it (the solve's triangular work is
-  left out).
+  """Matmul FLOPs of the chunked forward (the solve's triangular work is left out).
 
-  Per 64-row chunk of the expanded stream and head: K K^T (64*64*K*2), the scan's K S, Ai X and
-  K^T D (64*K*V*2 + 64*64*V*2 + 64*K*V*2; w = Ai K is never formed). Per 64-token chunk and
-  head: Q S (64*K*V*2), Q K^T and P@D over the chunk's M*64 expanded rows (M*64*64*(K+V)*2).
-  Until session 7 (w formed by its own stage) the count also held 64*64*K*2 per expanded chunk.
+  Per 64-row chunk of the expanded stream and head: K K^T (64*64*K*2), w and u
+  (64*64*(K+V)*2), the state scan w@S and K^T@D (2 * 64*K*V*2). Per 64-token chunk and head:
+  Q S (64*K*V*2), Q K^T and P@D over the chunk's M*64 expanded rows (M*64*64*(K+V)*2).
   """
   n_exp = math.ceil(T * M / BT)
   n_tok = math.ceil(T / BT)
-  per_exp = BT * BT * K * 2 + BT * BT * V * 2 + BT * K * V * 2 * 2
+  per_exp = BT * BT * K * 2 + BT * BT * (K + V) * 2 + BT * K * V * 2 * 2
   per_tok = BT * K * V * 2 + M * BT * BT * K * 2 + M * BT * BT * V * 2
   return B * H * (n_exp * per_exp + n_tok * per_tok)
 

@@ -8,9 +8,8 @@ It runs, per call:
     stage 1  Gx (expanded stream), Gu (token stream)               inside stages 2 and 6
     stage 2  A = strict_lower(beta K K^T decay), Gx, key factors   chunk_kkt
     stage 3  Ai = (I + A)^-1                                       chunk_solve
-             (stages 2 and 3 in one kernel for K > CONFIG.kkt_solve_fuse_above_k:
-             chunk_kkt_solve)
-    stage 4  w, u (never formed: u - w S is computed by stage 5)   inside stage 5
+    stage 4  w, u                                                  chunk_wy, or inside
+                                                                   stage 5 (see _wy_in_scan)
     stage 5  h (chunk states), v_new, final state / cache          chunk_h
     stage 6  o                                                     chunk_o
 
@@ -49,9 +48,9 @@ class _PrefillConfig:
   The values are the winners of `benchmarks/prefill_stages.py --sweep` on the H200
   (2026-11-30, benchmarks/RESULTS.md) at B=4 T=2048 H=16 K=V=128 M=2, B=8 T=4096 H=32 and
   B=4 T=2048 H=6 K=256 V=512. One set won or came within 5% of the best at all three, so there
-  is one table row, with two choices keyed by the shape: the scan's BV (by K and the number of
-  programs) and whether stages 2 and 3 share a kernel (by K). Every config was checked there
-  against the previous one's output.
+  is one table row, with two choices keyed by the shape: the scan's BV and whether stage 4 runs
+  inside it (both by how many programs the scan has, _h_block_v and _wy_in_scan). Every config
+  was checked there against the previous one's output.
   """
   # Stage 2: 2 warps and a 128-wide K slice: 0.341 against 0.369 ms (4 warps, 64) at B=8 H=32.
   kkt_bk: int = 128
@@ -68,14 +67,12 @@ class _PrefillConfig:
   # 5): 0.702 / 0.786 / 0.531 ms at B=8 T=4096 H=32 and 0.100 / 0.114 / 0.079 ms at B=1 T=8192;
   # ptxas: tf32x3 at one warp has no spills where ieee spills 840 B.
   solve_precision: str = "tf32x3"
-  # Stages 2 and 3 in one one-warp kernel (chunk_solve.chunk_kkt_solve_fwd_kernel), its 16x16
-  # Gram blocks taking K in BK-wide slices, for K above this. H200, session 7, against kkt +
-  # solve: 0.091 against 0.142 ms at K=256 V=512 (0.092 against 0.105 in another process); at
-  # K=128 it loses, 0.157 against 0.137 ms at B=1 T=8192 and 1.277 against 0.990 at B=8 H=32.
-  kkt_solve_fuse_above_k: int = 128
-  kkt_solve_bk: int = 64
-  # Stage 5 (with stage 4 inside): 4 warps, 3 stages (the next chunk's tiles load while this
-  # one computes); measured before stage 4 was folded in:
+  # Stage 4: one 64x64 Ai block times 128-wide slices of V (64 of K); 8 warps. Where the scan
+  # has many programs, stage 4 runs inside it instead (_wy_in_scan).
+  wy_bk: int = 64
+  wy_bv: int = 128
+  wy_warps: int = 8
+  # Stage 5: 4 warps, 3 stages (the next chunk's w, u, k tiles load while this one computes):
   # 0.115 against 0.199 ms (8 warps, 2 stages) at B=4 H=16, 0.94 against 1.44 ms at B=8 H=32,
   # 0.41 against 0.63 ms at K=256. BV 64 when the state fits (K up to 128: two 64x64 float32
   # tiles) unless N*HV*ceil(V/64) programs would leave most SMs idle (a long sequence with few
@@ -88,9 +85,8 @@ class _PrefillConfig:
   h_warps: int = 4
   h_stages: int = 3
   # float32 inputs (the reference-precision path) take "ieee" dots, whose operands Triton stages
-  # in shared memory: before stage 4 was folded in, 3 stages needed 287 KB at K=256 (over the
-  # H200's 227 KB; triton 3.6 and 3.9), 2 stages 148 KB; now 190 and 99 KB (triton 3.6 ptxas,
-  # not timed at 3).
+  # in shared memory: 3 stages need 287 KB at K=256 (over the H200's 227 KB; compiled with
+  # triton 3.6 on the device and 3.9 here), 2 stages 148 KB.
   h_stages_f32: int = 2
   # Stage 6: 64 x 128 output tiles, K in 128-wide slices, 4 warps: 0.091 against 0.17 ms
   # (8 warps, 64 x 64, BK 64) at B=4 H=16, 0.68 against 1.48 ms at B=8 H=32. Fusing it into
@@ -105,12 +101,29 @@ class _PrefillConfig:
 CONFIG = _PrefillConfig()
 
 
+def _few_scan_programs(cfg: _PrefillConfig, N: int, HV: int, V: int) -> bool:
+  """Whether wide blocks would leave most SMs idle: then each scan program's sequential chunk
+  chain, not the bytes, sets the prefill's pace (a long sequence with few heads)."""
+  return N * HV * -(-V // cfg.h_bv_wide) < cfg.h_min_programs
+
+
 def _h_block_v(cfg: _PrefillConfig, N: int, HV: int, K: int, V: int) -> int:
   if K > 128:
     return cfg.h_bv_big_k
-  if N * HV * -(-V // cfg.h_bv_wide) < cfg.h_min_programs:
+  if _few_scan_programs(cfg, N, HV, V):
     return cfg.h_bv_narrow
   return cfg.h_bv_wide
+
+
+def _wy_in_scan(cfg: _PrefillConfig, N: int, HV: int, V: int) -> bool:
+  """Stage 4 inside the scan (chunk_h's FUSE_WY) saves writing w and u and reading them back,
+  and lengthens every chunk of the scan's chain by a third product. H200, session 7 (whole
+  prefill, with fla-core's CUDA-graph time beside it): 0.437 -> 0.413 ms at B=4 T=2048 H=16,
+  0.625 -> 0.574 at M=3, 3.548 -> 2.752 at B=8 T=4096 H=32 (wy + scan 1.689 -> 0.861), K=256
+  V=512 scan 0.515 -> 0.478 (kernel times); but at B=1 T=8192 H=16 (128 programs, one per SM,
+  256 chunks each) the scan went 0.374 -> 0.433 ms with stage 4 inside (0.621 -> 0.675 whole).
+  So: inside unless the scan is chain-bound (the case that also takes narrow blocks)."""
+  return not _few_scan_programs(cfg, N, HV, V)
 
 
 def _dense_descriptors(B: int, L: int) -> np.ndarray:
@@ -170,35 +183,29 @@ def _solve(A, cu, desc, *, M, dtype, backend):
   return Ai
 
 
-def _kkt_solve(k, beta, g, cu, desc, *, HV, M, dtype, backend, l2norm=False):
-  """Stages 2 and 3 in one kernel (chunk_kkt_solve_fwd_kernel): (Ai, Gx or None, rk or None)
-  as _kkt then _solve give them."""
+def _wy(k, v, beta, gx, Ai, cu, desc, *, M, backend, rk=None):
+  """Stage 4: w [T*M, HV, K], u [T*M, HV, V] in k.dtype; rk as in _kkt."""
   TM, H, K = k.shape
-  f32 = jnp.float32
-  Ai, _, gx, rk, _ = _launch.call(
-      "chunk_solve.chunk_kkt_solve_fwd_kernel", k, beta,
-      g if g is not None else _launch.placeholder(), cu, desc,
+  _, HV, V = v.shape
+  w, u = _launch.call(
+      "chunk_wy.chunk_wy_fwd_kernel", k, v, beta,
+      gx if gx is not None else _launch.placeholder(),
+      rk if rk is not None else _launch.placeholder(), Ai, cu, desc,
       grid=(desc.shape[0], HV),
-      out_shape=[jax.ShapeDtypeStruct((TM, HV, BT), dtype),
-                 jax.ShapeDtypeStruct((TM, HV, BT), f32),
-                 jax.ShapeDtypeStruct((TM, HV) if g is not None else (1,), f32),
-                 jax.ShapeDtypeStruct((TM, H) if l2norm else (1,), f32),
-                 jax.ShapeDtypeStruct((TM, HV) if l2norm else (1,), f32)],
-      backend=backend, num_warps=CONFIG.solve_warps,
-      H=H, HV=HV, K=K, M=M, BT=BT, BK=CONFIG.kkt_solve_bk,
-      USE_G=g is not None, USE_RNORM=l2norm, GRAM_PRECISION=_dot_precision(k.dtype),
-      DOT_PRECISION=_solve_precision(dtype))
-  return Ai, (gx if g is not None else None), (rk if l2norm else None)
+      out_shape=[jax.ShapeDtypeStruct((TM, HV, K), k.dtype),
+                 jax.ShapeDtypeStruct((TM, HV, V), k.dtype)],
+      backend=backend, num_warps=CONFIG.wy_warps,
+      H=H, HV=HV, K=K, V=V, M=M, BT=BT, BK=CONFIG.wy_bk, BV=CONFIG.wy_bv,
+      USE_G=gx is not None, USE_RNORM=rk is not None, DOT_PRECISION=_dot_precision(k.dtype))
+  return w, u
 
 
-def _scan(k, v, beta, Ai, gx, cu, offsets, n_rows, *, M, h0, state_indices, final_kind,
-          h_dtype, snap_dtype, backend, rk=None):
-  """Stages 4 and 5: the inter-chunk scan, with u - w S formed from v, beta and Ai.
+def _scan(k, w, u, gx, cu, offsets, n_rows, *, M, h0, state_indices, final_kind,
+          h_dtype, snap_dtype, backend, rk=None, fused_wy=None):
+  """Stage 5: the inter-chunk scan.
 
   Args:
-    k, v: [T*M, H, K], [T*M, HV, V].
-    beta: [T*M, HV] float32.
-    Ai: [T*M, HV, 64] stage 3's inverse blocks, in k.dtype.
+    k, w, u: [T*M, H, K], [T*M, HV, K], [T*M, HV, V]; w and u are None with `fused_wy`.
     gx: [T*M, HV] float32 or None.
     cu, offsets: [N+1] int32 sequence starts and first rows in the chunk states.
     n_rows: rows of the chunk-state outputs (static).
@@ -209,12 +216,14 @@ def _scan(k, v, beta, Ai, gx, cu, offsets, n_rows, *, M, h0, state_indices, fina
     h_dtype: dtype of the chunk states read by stage 6.
     snap_dtype: dtype of a second copy of the chunk states, or None for no copy.
     rk: None, or the key row factors [T*M, H].
+    fused_wy: None, or (v, beta, Ai) as stage 4 takes them: the scan then forms w S and u
+      itself (stage 4 folded in, chunk_h's FUSE_WY).
 
   Returns:
     (h, h_snap or None, v_new, final or None).
   """
   TM, H, K = k.shape
-  _, HV, V = v.shape
+  _, HV, V = (u if fused_wy is None else fused_wy[0]).shape
   N = cu.shape[0] - 1
   bv = _h_block_v(CONFIG, N, HV, K, V)
   out_shape = [
@@ -226,20 +235,23 @@ def _scan(k, v, beta, Ai, gx, cu, offsets, n_rows, *, M, h0, state_indices, fina
   aliases = None
   if final_kind == "cache":
     out_shape.append(jax.ShapeDtypeStruct(h0.shape, h0.dtype))
-    aliases = {5: 3}  # argument 5 (h0, the cache) is output 3: in place when donated
+    aliases = {4: 3}  # argument 4 (h0, the cache) is output 3: in place when donated
   elif final_kind == "dense":
     out_shape.append(jax.ShapeDtypeStruct((N, HV, K, V), jnp.float32))
   else:
     out_shape.append(jax.ShapeDtypeStruct((1,), jnp.float32))
   S = h0.shape[0] if h0 is not None else N
+  ph = _launch.placeholder
+  v, beta, Ai = fused_wy if fused_wy is not None else (ph(), ph(), ph())
   h, h_snap, v_new, ht = _launch.call(
-      "chunk_h.chunk_h_fwd_kernel", k, v, beta, Ai,
+      "chunk_h.chunk_h_fwd_kernel", k,
+      w if w is not None else ph(), u if u is not None else ph(),
       gx if gx is not None else _launch.placeholder(),
       h0 if h0 is not None else _launch.placeholder(),
       state_indices if state_indices is not None else _launch.placeholder(jnp.int32),
       cu, offsets,
       HV * K * V, K * V, S,
-      rk if rk is not None else _launch.placeholder(),
+      rk if rk is not None else _launch.placeholder(), v, beta, Ai,
       grid=(N * HV, -(-V // bv)),
       out_shape=out_shape,
       input_output_aliases=aliases,
@@ -249,7 +261,7 @@ def _scan(k, v, beta, Ai, gx, cu, offsets, n_rows, *, M, h0, state_indices, fina
       USE_G=gx is not None, USE_INITIAL_STATE=h0 is not None,
       STORE_FINAL_STATE=final_kind != "none", HAS_STATE_INDICES=state_indices is not None,
       STORE_SNAPSHOT=snap_dtype is not None, USE_RNORM=rk is not None,
-      DOT_PRECISION=_dot_precision(k.dtype))
+      FUSE_WY=fused_wy is not None, DOT_PRECISION=_dot_precision(k.dtype))
   return (h, h_snap if snap_dtype is not None else None, v_new,
           ht if final_kind != "none" else None)
 
@@ -355,13 +367,14 @@ def _chunk_gated_delta_product_fwd(
   if g is not None:
     g = g.reshape(B * T, HV).astype(jnp.float32)
 
-  if K > CONFIG.kkt_solve_fuse_above_k:
-    Ai, gx, rk = _kkt_solve(k, beta, g, cu, desc_x, HV=HV, M=M, dtype=dtype, backend=backend,
-                            l2norm=use_qk_l2norm_in_kernel)
+  A, gx, rk = _kkt(k, beta, g, cu, desc_x, HV=HV, M=M, backend=backend,
+                   l2norm=use_qk_l2norm_in_kernel)
+  Ai = _solve(A, cu, desc_x, M=M, dtype=dtype, backend=backend)
+  wy_in_scan = _wy_in_scan(CONFIG, N, HV, V)
+  if wy_in_scan:
+    w = u = None
   else:
-    A, gx, rk = _kkt(k, beta, g, cu, desc_x, HV=HV, M=M, backend=backend,
-                     l2norm=use_qk_l2norm_in_kernel)
-    Ai = _solve(A, cu, desc_x, M=M, dtype=dtype, backend=backend)
+    w, u = _wy(k, v, beta, gx, Ai, cu, desc_x, M=M, backend=backend, rk=rk)
 
   if state is not None:
     h0, final_kind = state, "cache"
@@ -381,9 +394,9 @@ def _chunk_gated_delta_product_fwd(
     else:
       snap_dtype = want
   h, h_snap, v_new, final = _scan(
-      k, v, beta, Ai, gx, cu, offsets, n_rows, M=M, h0=h0, state_indices=state_indices,
+      k, w, u, gx, cu, offsets, n_rows, M=M, h0=h0, state_indices=state_indices,
       final_kind=final_kind, h_dtype=h_dtype, snap_dtype=snap_dtype, backend=backend,
-      rk=rk)
+      rk=rk, fused_wy=(v, beta, Ai) if wy_in_scan else None)
   S = state.shape[0] if state is not None else N
   o = _output(q, k, v_new, h, g, state_indices, S, cu, desc_t, M=M, scale=scale,
               out_dtype=out_dtype, backend=backend, rk=rk)

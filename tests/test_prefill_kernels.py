@@ -228,16 +228,21 @@ def test_prefill_solve_precision_gpu(precision, monkeypatch):
 
 @pytest.mark.parametrize("backend", [pytest.param("triton", marks=pytest.mark.gpu),
                                      "interpret"])
-def test_prefill_kkt_solve_other_path(backend, monkeypatch):
-  """The whole prefill with stages 2 and 3 the way its K does not pick them
-  (_PrefillConfig.kkt_solve_fuse_above_k): one kernel at K <= 128, two at K = 256, against the
-  reference: GVA, M = 2 and 3, bf16 with in-kernel norms, varlen into cache slots."""
+def test_prefill_wy_other_path(backend, monkeypatch):
+  """The whole prefill with stage 4 placed the way the shape does not pick it (_wy_in_scan: inside
+  the scan unless the scan has few programs; h_min_programs moves both that choice and the
+  scan's BV) against the reference: GVA, in-kernel norms with feature masking, K = 256, no decay
+  and no beta, bf16, varlen into cache slots."""
   cases = ([GPU_CASES[0], GPU_CASES[2], GPU_CASES[4]] if backend == "triton"
-           else [CASES[3], CASES[5], CASES[9], CASES[12]])
+           else [CASES[3], CASES[4], CASES[5], CASES[6], CASES[9], CASES[12]])
   for c in cases:
+    N = len(c.varlen) or c.B
+    inside = pk._wy_in_scan(pk.CONFIG, N, c.HV, c.V)
     monkeypatch.setattr(pk, "CONFIG", dataclasses.replace(
-        pk.CONFIG, kkt_solve_fuse_above_k=256 if c.K > 128 else 0))
-    check_prefill(c, backend, seed=3)
+        pk.CONFIG, h_min_programs=1 << 30 if inside else 0))
+    assert pk._wy_in_scan(pk.CONFIG, N, c.HV, c.V) != inside
+    check_prefill(c, backend, seed=4)
+    monkeypatch.undo()
 
 
 @settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -371,27 +376,22 @@ def test_stages(lens, M, K, dtype):
       assert np.all(np.triu(blk, 1) == 0), "Ai: not lower triangular (upper blocks unwritten?)"
       assert_close("Ai", ref, blk[:, :n], stored_tol)
 
-  # Stages 2 and 3 in one kernel (_kkt_solve), keys L2-normalised in the kernel as
-  # above: the same Gx bits, the same key factors and Ai as the two kernels, to rounding.
-  kn = jnp.asarray(kk * sc, dt)
-  Ai2, gx2, rk2 = pk._kkt_solve(kn, beta, g, cu, desc_x, HV=HV, M=M, dtype=dt, backend=be,
-                                l2norm=True)
-  Ai_ref = _f(pk._solve(A2, cu, desc_x, M=M, dtype=dt, backend=be))
-  Ai2_np, gx2_np = _f(Ai2), _f(gx2)
+  # Stage 4, from the kernel's Ai and Gx.
+  w, u = pk._wy(k, v, beta, gx, Ai, cu, desc_x, M=M, backend=be)
+  assert w.dtype == dt and u.dtype == dt
+  w_np, u_np, v_np = _f(w), _f(u), _f(v)
   for r0, n in _chunks(cu_np, M):
-    assert np.array_equal(gx_np[r0:r0 + n], gx2_np[r0:r0 + n]), "fused Gx"
-    assert_close("rk (fused)", _f(rk)[r0:r0 + n], _f(rk2)[r0:r0 + n], 1e-6)
     for hv in range(HV):
-      blk = Ai2_np[r0:r0 + n, hv]
-      assert np.all(np.triu(blk, 1) == 0), "fused Ai: not lower triangular"
-      assert_close("Ai (fused)", Ai_ref[r0:r0 + n, hv, :n], blk[:, :n], stored_tol)
+      ai = Ai_np[r0:r0 + n, hv, :n]
+      bb = b_np[r0:r0 + n, hv, None]
+      assert_close("u", ai @ (bb * v_np[r0:r0 + n, hv]), u_np[r0:r0 + n, hv], stored_tol)
+      ref_w = ai @ (bb * np.exp2(gx_np[r0:r0 + n, hv, None]) * k_np[r0:r0 + n, hv // G])
+      assert_close("w", ref_w, w_np[r0:r0 + n, hv], stored_tol)
 
-  # Stages 4 and 5 (w and u formed inside the scan), from the kernel's Ai and Gx: checkpoints,
-  # v_new, final state.
-  h, _, v_new, ht = pk._scan(k, v, beta, Ai, gx, cu, offs, n_t, M=M, h0=h0, state_indices=None,
+  # Stage 5, from the kernel's w and u: checkpoints, v_new, final state.
+  h, _, v_new, ht = pk._scan(k, w, u, gx, cu, offs, n_t, M=M, h0=h0, state_indices=None,
                              final_kind="dense", h_dtype=jnp.float32, snap_dtype=None,
                              backend=be)
-  v_np = _f(v)
   h_np, vn_np = _f(h), _f(v_new)
   for n in range(N):
     S = _f(h0[n]).copy()
@@ -402,12 +402,33 @@ def test_stages(lens, M, K, dtype):
         assert_close(f"h[{n}, {e // M}]", S, h_np[int(offs[n]) + e // M], state_tol)
       for hv in range(HV):
         kc = k_np[r0:r0 + nr, hv // G]
+        d = u_np[r0:r0 + nr, hv] - w_np[r0:r0 + nr, hv] @ S[hv]
+        assert_close("v_new", d, vn_np[r0:r0 + nr, hv], stored_tol)
+        gc = gx_np[r0:r0 + nr, hv]
+        S[hv] = np.exp2(gc[-1]) * S[hv] + kc.T @ (np.exp2(gc[-1] - gc)[:, None] * d)
+    assert_close(f"final[{n}]", S, _f(ht[n]), state_tol)
+
+  # Stages 4 and 5 in one kernel (chunk_h's FUSE_WY, the launcher's choice when the scan has
+  # many programs), from the kernel's Ai and Gx: v_new = Ai (beta V - beta 2^Gx K S).
+  h, _, v_new, ht = pk._scan(k, None, None, gx, cu, offs, n_t, M=M, h0=h0, state_indices=None,
+                             final_kind="dense", h_dtype=jnp.float32, snap_dtype=None,
+                             backend=be, fused_wy=(v, beta, Ai))
+  h_np, vn_np = _f(h), _f(v_new)
+  for n in range(N):
+    S = _f(h0[n]).copy()
+    L = (cu_np[n + 1] - cu_np[n]) * M
+    for e, c0 in enumerate(range(0, L, BT)):
+      r0, nr = cu_np[n] * M + c0, min(BT, L - c0)
+      if e % M == 0:
+        assert_close(f"h[{n}, {e // M}] (wy in scan)", S, h_np[int(offs[n]) + e // M], state_tol)
+      for hv in range(HV):
+        kc = k_np[r0:r0 + nr, hv // G]
         bb, gc = b_np[r0:r0 + nr, hv, None], gx_np[r0:r0 + nr, hv]
         d = Ai_np[r0:r0 + nr, hv, :nr] @ (bb * v_np[r0:r0 + nr, hv]
                                           - bb * np.exp2(gc)[:, None] * (kc @ S[hv]))
-        assert_close("v_new", d, vn_np[r0:r0 + nr, hv], stored_tol)
+        assert_close("v_new (wy in scan)", d, vn_np[r0:r0 + nr, hv], stored_tol)
         S[hv] = np.exp2(gc[-1]) * S[hv] + kc.T @ (np.exp2(gc[-1] - gc)[:, None] * d)
-    assert_close(f"final[{n}]", S, _f(ht[n]), state_tol)
+    assert_close(f"final[{n}] (wy in scan)", S, _f(ht[n]), state_tol)
 
   # Stage 6, from the kernel's h and v_new; slack rows stay unwritten here (the launcher masks).
   scale = K ** -0.5

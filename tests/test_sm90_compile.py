@@ -108,18 +108,18 @@ def _signature(fn, args, out_shape, constexprs):
 
 
 def main():
+  import dataclasses
   import triton
   from triton.backends.compiler import GPUTarget
   from triton.compiler import ASTSource
-  import dataclasses
   from gdp_jax import _prefill_kernels as pk
   seen, report = set(), []
   default = pk.CONFIG
-  # Each prefill case once more with stages 2 and 3 the other way (fused where K picks two
-  # kernels, two where it picks one).
+  # The prefill cases with few sequences once more with stage 4 inside the scan (and wide scan
+  # blocks), which only many sequences pick by default (_wy_in_scan).
   runs = [(c, default) for c in CASES] + [
-      (c, dataclasses.replace(default, kkt_solve_fuse_above_k=256 if c[2] > 128 else 0))
-      for c in CASES if c[0] == "prefill"]
+      (c, dataclasses.replace(default, h_min_programs=0)) for c in CASES
+      if c[0] == "prefill" and c[4] < 8]
   for case, cfg in runs:
     pk.CONFIG = cfg
     for fn, args, out_shape, warps, stages, constexprs in _record_launches(*case):
@@ -145,8 +145,8 @@ def test_every_launch_fits_sm90_shared_memory():
   report = json.loads(proc.stdout.strip().splitlines()[-1])
   kernels = {r["kernel"] for r in report}
   # Every kernel of both paths was traced and compiled.
-  assert {"chunk_kkt_fwd_kernel", "chunk_solve_fwd_kernel", "chunk_kkt_solve_fwd_kernel",
-          "chunk_h_fwd_kernel", "chunk_o_fwd_kernel"} <= kernels, kernels
+  assert {"chunk_kkt_fwd_kernel", "chunk_solve_fwd_kernel",
+          "chunk_wy_fwd_kernel", "chunk_h_fwd_kernel", "chunk_o_fwd_kernel"} <= kernels, kernels
   assert any("decode" in k or "recurrent" in k for k in kernels), kernels
   over = [r for r in report if r["shared"] > SM90_MAX_SHARED]
   assert not over, f"over the {SM90_MAX_SHARED} bytes of an sm_90 block: {over}"
