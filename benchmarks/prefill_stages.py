@@ -9,7 +9,7 @@ compare small stages with the profile, not with this table. Each config variant 
 checked against the default config's output before its time counts: block sizes change the
 summation order, so the check is a relative error (bf16 level), not bits.
 
-    python3 benchmarks/prefill_stages.py [--rows 0,1] [--sweep] [--fla] [--budget-s 240]
+    python3 benchmarks/prefill_stages.py [--rows 0,1] [--sweep] [--fla] [--l2norm] [--budget-s 240]
     python3 benchmarks/prefill_stages.py --cpu-smoke      # the plumbing, in the interpreter
 
 Writes $OUT/prefill_stages.json and prints a table per row (ms per stage, share of the total).
@@ -47,12 +47,14 @@ SWEEP = {
 }
 
 
-def make_inputs(B, T, H, HV, K, V, M, seed=0):
+def make_inputs(B, T, H, HV, K, V, M, seed=0, l2norm=False):
+  """bf16 q, k, v; keys of unit norm, or raw ones with `l2norm` (normalised in the kernels)."""
   import jax.numpy as jnp
   import numpy as np
   rng = np.random.default_rng(seed)
   k = rng.standard_normal((B * T * M, H, K)).astype(np.float32)
-  k /= np.linalg.norm(k, axis=-1, keepdims=True)
+  if not l2norm:
+    k /= np.linalg.norm(k, axis=-1, keepdims=True)
   bf = jnp.bfloat16
   return dict(
       q=jnp.asarray(rng.standard_normal((B * T, H, K)) / np.sqrt(K), bf),
@@ -70,9 +72,10 @@ def _descriptors(pk, B, T, M):
           jnp.asarray(pk._dense_descriptors(B, T * M)))
 
 
-def stage_calls(pk, x, B, T, M, backend):
+def stage_calls(pk, x, B, T, M, backend, l2norm=False):
   """The stages as jitted functions (lazy: nothing compiles until a call), reading pk.CONFIG
-  when they trace."""
+  when they trace. With `l2norm`, stage 2 computes the key row factors rk and every later
+  stage takes them, as the prefill does with use_qk_l2norm_in_kernel; else rk is None."""
   import jax
   import jax.numpy as jnp
   import numpy as np
@@ -85,31 +88,31 @@ def stage_calls(pk, x, B, T, M, backend):
   calls = {
       # Stage 1 is folded into stages 2 and 6.
       "kkt": jax.jit(lambda k, b, g: pk._kkt(k, b, g, cu, desc_x, HV=HV, M=M,
-                                             backend=backend)[:2]),
+                                             backend=backend, l2norm=l2norm)),
       "solve": jax.jit(lambda A: pk._solve(A, cu, desc_x, M=M, dtype=x["k"].dtype,
                                            backend=backend)),
-      "wy": jax.jit(lambda k, v, b, gx, Ai: pk._wy(k, v, b, gx, Ai, cu, desc_x, M=M,
-                                                   backend=backend)),
-      "scan": jax.jit(lambda k, w, u, gx, fused_wy=None: pk._scan(
+      "wy": jax.jit(lambda k, v, b, gx, Ai, rk: pk._wy(k, v, b, gx, Ai, cu, desc_x, M=M,
+                                                       backend=backend, rk=rk)),
+      "scan": jax.jit(lambda k, w, u, gx, rk, fused_wy=None: pk._scan(
           k, w, u, gx, cu, offsets, B * nc, M=M, h0=None, state_indices=None,
           final_kind="dense", h_dtype=x["k"].dtype, snap_dtype=None, backend=backend,
-          fused_wy=fused_wy)),
-      "output": jax.jit(lambda q, k, vn, h, g: pk._output(
+          rk=rk, fused_wy=fused_wy)),
+      "output": jax.jit(lambda q, k, vn, h, g, rk: pk._output(
           q, k, vn, h, g, None, B, cu, desc_t, M=M, scale=K ** -0.5, out_dtype=x["v"].dtype,
-          backend=backend)),
+          backend=backend, rk=rk)),
   }
   return calls
 
 
 def stage_args(calls, x):
   """Each stage's inputs, from running the stages before it once."""
-  A, gx = calls["kkt"](x["k"], x["beta"], x["g"])
+  A, gx, rk = calls["kkt"](x["k"], x["beta"], x["g"])
   Ai = calls["solve"](A)
-  w, u = calls["wy"](x["k"], x["v"], x["beta"], gx, Ai)
-  h, _, v_new, _ = calls["scan"](x["k"], w, u, gx)
+  w, u = calls["wy"](x["k"], x["v"], x["beta"], gx, Ai, rk)
+  h, _, v_new, _ = calls["scan"](x["k"], w, u, gx, rk)
   args = {"kkt": (x["k"], x["beta"], x["g"]), "solve": (A,),
-          "wy": (x["k"], x["v"], x["beta"], gx, Ai), "scan": (x["k"], w, u, gx),
-          "output": (x["q"], x["k"], v_new, h, x["g"])}
+          "wy": (x["k"], x["v"], x["beta"], gx, Ai, rk), "scan": (x["k"], w, u, gx, rk),
+          "output": (x["q"], x["k"], v_new, h, x["g"], rk)}
   return args
 
 
@@ -164,6 +167,8 @@ def main() -> int:
   p.add_argument("--budget-s", type=float, default=240.0)
   p.add_argument("--out", default=None)
   p.add_argument("--fla", action="store_true", help="also time fla-core's stages")
+  p.add_argument("--l2norm", action="store_true",
+                 help="raw keys normalised in the kernels (the prefill benchmark's setting)")
   a = p.parse_args()
   common.setup_env(a.cpu_smoke)
   import jax
@@ -182,8 +187,8 @@ def main() -> int:
     row = dict(B=B, T=T, H=H, HV=HV, K=K, V=V, M=M)
 
     def body(row):
-      x = make_inputs(*shape)
-      calls = stage_calls(pk, x, B, T, M, backend)
+      x = make_inputs(*shape, l2norm=a.l2norm)
+      calls = stage_calls(pk, x, B, T, M, backend, l2norm=a.l2norm)
       args = stage_args(calls, x)
       times = {s: common.time_jax(lambda s=s: calls[s](*args[s]))["ms"] for s in calls}
       row.update({f"{s}_ms": t for s, t in times.items()})
@@ -195,7 +200,7 @@ def main() -> int:
       # Stage 4 inside the scan (chunk_h's FUSE_WY, the prefill's choice when the scan has
       # many programs), against wy + scan: its v_new and chunk states checked against theirs
       # before its time counts.
-      sargs = (x["k"], None, None, args["scan"][3], (x["v"], x["beta"], args["wy"][4]))
+      sargs = (x["k"], None, None, *args["scan"][3:], (x["v"], x["beta"], args["wy"][4]))
       h_f, _, vn_f, _ = calls["scan"](*sargs)
       h_u, _, vn_u, _ = calls["scan"](*args["scan"])
       row["wy_scan_err"] = common.worst(common.rel_err(vn_f, vn_u), common.rel_err(h_f, h_u))
@@ -226,7 +231,7 @@ def main() -> int:
             break
           pk.CONFIG = dataclasses.replace(default_cfg, **over)
           try:
-            c2 = stage_calls(pk, x, B, T, M, backend)
+            c2 = stage_calls(pk, x, B, T, M, backend, l2norm=a.l2norm)
             out = c2[stage](*args[stage])
             err = common.worst(*[common.rel_err(o, r) for o, r in
                                  zip(jax.tree.leaves(out), jax.tree.leaves(ref[stage]))])

@@ -24,10 +24,10 @@ the operand of the Ai product is formed in float32 and rounded to the input dtyp
 rounds its own (one rounding fewer than w and u stored, then multiplied). The price is a third
 dependent product in each chunk's chain, which the launcher weighs per shape.
 
-The dots take w (or Ai), K and the state in the input dtype and accumulate in float32. The checkpoint
-is written in the dtype of `h` (read back by stage 6) and, with STORE_SNAPSHOT, again in the
-dtype of `h_snap` (the caller's chunk_states dtype, when stage 6 cannot read that one without
-losing bits).
+The dots take w (or Ai), K and the state in the input dtype and accumulate in float32. The
+checkpoint is written in the dtype of `h` (read back by stage 6) and, with STORE_SNAPSHOT, again
+in the dtype of `h_snap` (the caller's chunk_states dtype, when stage 6 cannot read that one
+without losing bits).
 
 The initial state comes from `h0` and the final state goes to `ht`: either a dense initial
 state [N, HV, K, V] and a dense float32 final state, both at row n, or the state cache
@@ -121,9 +121,10 @@ def chunk_h_fwd_kernel(
     stride_hv,      # elements between heads of h0 and ht; the [K, V] part is contiguous
     S,              # slots of the cache: a slot outside [0, S) is padding
     rk,             # [T*M, H] float32 1/|k| row factors (USE_RNORM; else a placeholder)
-    v,              # [T*M, HV, V] values, input dtype (FUSE_WY; else a placeholder, as are
-    beta,           # [T*M, HV] float32                  beta and Ai; w and u are placeholders
-    Ai,             # [T*M, HV, BT] stage 3, input dtype  with FUSE_WY)
+    # With FUSE_WY only (placeholders otherwise; with FUSE_WY, w and u are the placeholders):
+    v,              # [T*M, HV, V] values, input dtype
+    beta,           # [T*M, HV] float32
+    Ai,             # [T*M, HV, BT] (I + A)^-1 of stage 3, input dtype
     # outputs
     h,              # [NCR, HV, K, V] entering state of every token chunk, read by stage 6
     h_snap,         # [NCR, HV, K, V] the same in the chunk_states dtype (placeholder unless
