@@ -388,47 +388,42 @@ def test_stages(lens, M, K, dtype):
       ref_w = ai @ (bb * np.exp2(gx_np[r0:r0 + n, hv, None]) * k_np[r0:r0 + n, hv // G])
       assert_close("w", ref_w, w_np[r0:r0 + n, hv], stored_tol)
 
-  # Stage 5, from the kernel's w and u: checkpoints, v_new, final state.
-  h, _, v_new, ht = pk._scan(k, w, u, gx, cu, offs, n_t, M=M, h0=h0, state_indices=None,
-                             final_kind="dense", h_dtype=jnp.float32, snap_dtype=None,
-                             backend=be)
-  h_np, vn_np = _f(h), _f(v_new)
-  for n in range(N):
-    S = _f(h0[n]).copy()
-    L = (cu_np[n + 1] - cu_np[n]) * M
-    for e, c0 in enumerate(range(0, L, BT)):
-      r0, nr = cu_np[n] * M + c0, min(BT, L - c0)
-      if e % M == 0:
-        assert_close(f"h[{n}, {e // M}]", S, h_np[int(offs[n]) + e // M], state_tol)
-      for hv in range(HV):
-        kc = k_np[r0:r0 + nr, hv // G]
-        d = u_np[r0:r0 + nr, hv] - w_np[r0:r0 + nr, hv] @ S[hv]
-        assert_close("v_new", d, vn_np[r0:r0 + nr, hv], stored_tol)
-        gc = gx_np[r0:r0 + nr, hv]
-        S[hv] = np.exp2(gc[-1]) * S[hv] + kc.T @ (np.exp2(gc[-1] - gc)[:, None] * d)
-    assert_close(f"final[{n}]", S, _f(ht[n]), state_tol)
+  def check_scan(tag, scan_out, delta):
+    """Checkpoints, v_new and final state of a scan run, against the numpy recurrence with
+    delta(rows, hv, S) as each chunk's v_new."""
+    h, _, v_new, ht = scan_out
+    h_np, vn_np = _f(h), _f(v_new)
+    for n in range(N):
+      S = _f(h0[n]).copy()
+      L = (cu_np[n + 1] - cu_np[n]) * M
+      for e, c0 in enumerate(range(0, L, BT)):
+        r0, nr = cu_np[n] * M + c0, min(BT, L - c0)
+        rows = slice(r0, r0 + nr)
+        if e % M == 0:
+          assert_close(f"h[{n}, {e // M}]{tag}", S, h_np[int(offs[n]) + e // M], state_tol)
+        for hv in range(HV):
+          d = delta(rows, hv, S[hv])
+          assert_close(f"v_new{tag}", d, vn_np[rows, hv], stored_tol)
+          gc = gx_np[rows, hv]
+          S[hv] = np.exp2(gc[-1]) * S[hv] + k_np[rows, hv // G].T @ (
+              np.exp2(gc[-1] - gc)[:, None] * d)
+      assert_close(f"final[{n}]{tag}", S, _f(ht[n]), state_tol)
 
+  scan = lambda w, u, fused_wy=None: pk._scan(
+      k, w, u, gx, cu, offs, n_t, M=M, h0=h0, state_indices=None, final_kind="dense",
+      h_dtype=jnp.float32, snap_dtype=None, backend=be, fused_wy=fused_wy)
+  # Stage 5, from the kernel's w and u.
+  out = scan(w, u)
+  check_scan("", out, lambda rows, hv, S: u_np[rows, hv] - w_np[rows, hv] @ S)
   # Stages 4 and 5 in one kernel (chunk_h's FUSE_WY, the launcher's choice when the scan has
   # many programs), from the kernel's Ai and Gx: v_new = Ai (beta V - beta 2^Gx K S).
-  h, _, v_new, ht = pk._scan(k, None, None, gx, cu, offs, n_t, M=M, h0=h0, state_indices=None,
-                             final_kind="dense", h_dtype=jnp.float32, snap_dtype=None,
-                             backend=be, fused_wy=(v, beta, Ai))
+  check_scan(" (wy in scan)", scan(None, None, (v, beta, Ai)),
+             lambda rows, hv, S: Ai_np[rows, hv, :rows.stop - rows.start] @ (
+                 b_np[rows, hv, None] * (v_np[rows, hv] - np.exp2(gx_np[rows, hv])[:, None]
+                                         * (k_np[rows, hv // G] @ S))))
+
+  h, _, v_new, _ = out
   h_np, vn_np = _f(h), _f(v_new)
-  for n in range(N):
-    S = _f(h0[n]).copy()
-    L = (cu_np[n + 1] - cu_np[n]) * M
-    for e, c0 in enumerate(range(0, L, BT)):
-      r0, nr = cu_np[n] * M + c0, min(BT, L - c0)
-      if e % M == 0:
-        assert_close(f"h[{n}, {e // M}] (wy in scan)", S, h_np[int(offs[n]) + e // M], state_tol)
-      for hv in range(HV):
-        kc = k_np[r0:r0 + nr, hv // G]
-        bb, gc = b_np[r0:r0 + nr, hv, None], gx_np[r0:r0 + nr, hv]
-        d = Ai_np[r0:r0 + nr, hv, :nr] @ (bb * v_np[r0:r0 + nr, hv]
-                                          - bb * np.exp2(gc)[:, None] * (kc @ S[hv]))
-        assert_close("v_new (wy in scan)", d, vn_np[r0:r0 + nr, hv], stored_tol)
-        S[hv] = np.exp2(gc[-1]) * S[hv] + kc.T @ (np.exp2(gc[-1] - gc)[:, None] * d)
-    assert_close(f"final[{n}] (wy in scan)", S, _f(ht[n]), state_tol)
 
   # Stage 6, from the kernel's h and v_new; slack rows stay unwritten here (the launcher masks).
   scale = K ** -0.5
