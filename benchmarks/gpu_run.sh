@@ -11,6 +11,7 @@
 # Wall-clock caps per step (seconds; the sum must stay under the lease's 10-minute call):
 #   GDP_TEST_BUDGET (180), GDP_DECODE_BUDGET (180), GDP_PREFILL_BUDGET (150); GDP_TEST_WORKERS (6)
 #   test processes when pytest-xdist is there.
+# GDP_TEST_K: one pytest -k expression for the test step (spaces allowed).
 # GDP_STEPS picks steps (default "tests,decode,prefill"; "stages" adds the per-stage prefill
 # breakdown, "notebooks" runs tests/test_notebooks.py with Jupyter from .whl/nb, "beside" runs them
 # alongside the tests instead of before); GDP_BENCH_ARGS is appended to both
@@ -120,12 +121,15 @@ if [[ $STEPS == *,tests,* ]]; then
   # GDP_TEST_WORKERS processes (pytest-xdist), which share the GPU, so none may preallocate it.
   WORKERS=${GDP_TEST_WORKERS:-6}
   python3 -c "import xdist" 2>/dev/null && [ "$WORKERS" -gt 1 ] && PER_TEST+=(-n "$WORKERS")
-  # GDP_TEST_ARGS: extra pytest arguments, e.g. -k to rerun a few tests. (A comment inside the
+  # GDP_TEST_ARGS: extra pytest arguments, split at spaces; GDP_TEST_K: one -k expression, kept
+  # whole (e.g. "prefill or launch"; "||" is not pytest syntax). (A comment inside the
   # command's continued lines once cut the environment setting off it: every worker then
   # preallocated 75% of the GPU, and the tests failed out of memory.)
+  K_EXPR=()
+  [ -n "${GDP_TEST_K:-}" ] && K_EXPR=(-k "$GDP_TEST_K")
   XLA_PYTHON_CLIENT_PREALLOCATE=false \
   timeout -s INT -k 10 "$T_TESTS" python3 -m pytest -m gpu -v -ra ${PER_TEST[@]+"${PER_TEST[@]}"} \
-    ${GDP_TEST_ARGS:-} tests/ \
+    ${K_EXPR[@]+"${K_EXPR[@]}"} ${GDP_TEST_ARGS:-} tests/ \
     >"$OUT/gpu_tests.log" 2>&1
   rc=$?
   msg="pytest exit $rc$([ $rc -eq 124 ] && echo ' (TIMED OUT: the counts below cover what ran)')"
