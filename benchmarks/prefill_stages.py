@@ -9,7 +9,7 @@ compare small stages with the profile, not with this table. Each config variant 
 checked against the default config's output before its time counts: block sizes change the
 summation order, so the check is a relative error (bf16 level), not bits.
 
-    python3 benchmarks/prefill_stages.py [--rows 0,1] [--sweep] [--fla] [--l2norm] [--budget-s 240]
+    python3 benchmarks/prefill_stages.py [--rows 0,1] [--sweep] [--fla] [--like-prefill] [--budget-s 240]
     python3 benchmarks/prefill_stages.py --cpu-smoke      # the plumbing, in the interpreter
 
 Writes $OUT/prefill_stages.json and prints a table per row (ms per stage, share of the total).
@@ -47,21 +47,28 @@ SWEEP = {
 }
 
 
-def make_inputs(B, T, H, HV, K, V, M, seed=0, l2norm=False):
-  """bf16 q, k, v; keys of unit norm, or raw ones with `l2norm` (normalised in the kernels)."""
+def make_inputs(B, T, H, HV, K, V, M, seed=0, like_prefill=False):
+  """bf16 q, k, v, keys of unit norm, float32 beta. With `like_prefill`, the inputs of
+  benchmarks/prefill.py instead: raw keys (normalised in the kernels), beta in bf16 and its
+  decays (logsigmoid of U(1, 5))."""
   import jax.numpy as jnp
   import numpy as np
   rng = np.random.default_rng(seed)
   k = rng.standard_normal((B * T * M, H, K)).astype(np.float32)
-  if not l2norm:
+  if not like_prefill:
     k /= np.linalg.norm(k, axis=-1, keepdims=True)
   bf = jnp.bfloat16
+  if like_prefill:
+    g = -np.log1p(np.exp(-rng.uniform(1.0, 5.0, (B * T, HV))))
+    beta = jnp.asarray(1 / (1 + np.exp(-rng.standard_normal((B * T * M, HV)))), bf)
+  else:
+    g = -rng.exponential(0.05, (B * T, HV))
+    beta = jnp.asarray(rng.uniform(0, 1, (B * T * M, HV)), jnp.float32)
   return dict(
       q=jnp.asarray(rng.standard_normal((B * T, H, K)) / np.sqrt(K), bf),
       k=jnp.asarray(k, bf),
       v=jnp.asarray(rng.standard_normal((B * T * M, HV, V)), bf),
-      g=jnp.asarray(-rng.exponential(0.05, (B * T, HV)), jnp.float32),
-      beta=jnp.asarray(rng.uniform(0, 1, (B * T * M, HV)), jnp.float32))
+      g=jnp.asarray(g, jnp.float32), beta=beta)
 
 
 def _descriptors(pk, B, T, M):
@@ -167,8 +174,9 @@ def main() -> int:
   p.add_argument("--budget-s", type=float, default=240.0)
   p.add_argument("--out", default=None)
   p.add_argument("--fla", action="store_true", help="also time fla-core's stages")
-  p.add_argument("--l2norm", action="store_true",
-                 help="raw keys normalised in the kernels (the prefill benchmark's setting)")
+  p.add_argument("--like-prefill", action="store_true",
+                 help="prefill.py's inputs: raw keys normalised in the kernels, bf16 beta, "
+                      "its decays")
   a = p.parse_args()
   common.setup_env(a.cpu_smoke)
   import jax
@@ -187,8 +195,8 @@ def main() -> int:
     row = dict(B=B, T=T, H=H, HV=HV, K=K, V=V, M=M)
 
     def body(row):
-      x = make_inputs(*shape, l2norm=a.l2norm)
-      calls = stage_calls(pk, x, B, T, M, backend, l2norm=a.l2norm)
+      x = make_inputs(*shape, like_prefill=a.like_prefill)
+      calls = stage_calls(pk, x, B, T, M, backend, l2norm=a.like_prefill)
       args = stage_args(calls, x)
       times = {s: common.time_jax(lambda s=s: calls[s](*args[s]))["ms"] for s in calls}
       row.update({f"{s}_ms": t for s, t in times.items()})
@@ -231,7 +239,7 @@ def main() -> int:
             break
           pk.CONFIG = dataclasses.replace(default_cfg, **over)
           try:
-            c2 = stage_calls(pk, x, B, T, M, backend, l2norm=a.l2norm)
+            c2 = stage_calls(pk, x, B, T, M, backend, l2norm=a.like_prefill)
             out = c2[stage](*args[stage])
             err = common.worst(*[common.rel_err(o, r) for o, r in
                                  zip(jax.tree.leaves(out), jax.tree.leaves(ref[stage]))])
