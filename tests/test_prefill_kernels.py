@@ -390,7 +390,7 @@ def test_stages(lens, M, K, dtype):
 
   def check_scan(tag, scan_out, delta):
     """Checkpoints, v_new and final state of a scan run, against the numpy recurrence with
-    delta(rows, hv, S) as each chunk's v_new."""
+    delta(rows, hv, S) as each chunk's v_new; returns the checkpoints and v_new in numpy."""
     h, _, v_new, ht = scan_out
     h_np, vn_np = _f(h), _f(v_new)
     for n in range(N):
@@ -408,22 +408,20 @@ def test_stages(lens, M, K, dtype):
           S[hv] = np.exp2(gc[-1]) * S[hv] + k_np[rows, hv // G].T @ (
               np.exp2(gc[-1] - gc)[:, None] * d)
       assert_close(f"final[{n}]{tag}", S, _f(ht[n]), state_tol)
+    return h_np, vn_np
 
   scan = lambda w, u, fused_wy=None: pk._scan(
       k, w, u, gx, cu, offs, n_t, M=M, h0=h0, state_indices=None, final_kind="dense",
       h_dtype=jnp.float32, snap_dtype=None, backend=be, fused_wy=fused_wy)
   # Stage 5, from the kernel's w and u.
-  out = scan(w, u)
-  check_scan("", out, lambda rows, hv, S: u_np[rows, hv] - w_np[rows, hv] @ S)
+  h, _, v_new, _ = out = scan(w, u)
+  h_np, vn_np = check_scan("", out, lambda rows, hv, S: u_np[rows, hv] - w_np[rows, hv] @ S)
   # Stages 4 and 5 in one kernel (chunk_h's FUSE_WY, the launcher's choice when the scan has
   # many programs), from the kernel's Ai and Gx: v_new = Ai (beta V - beta 2^Gx K S).
   check_scan(" (wy in scan)", scan(None, None, (v, beta, Ai)),
              lambda rows, hv, S: Ai_np[rows, hv, :rows.stop - rows.start] @ (
                  b_np[rows, hv, None] * (v_np[rows, hv] - np.exp2(gx_np[rows, hv])[:, None]
                                          * (k_np[rows, hv // G] @ S))))
-
-  h, _, v_new, _ = out
-  h_np, vn_np = _f(h), _f(v_new)
 
   # Stage 6, from the kernel's h and v_new; slack rows stay unwritten here (the launcher masks).
   scale = K ** -0.5

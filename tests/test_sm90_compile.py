@@ -115,8 +115,8 @@ def main():
   from gdp_jax import _prefill_kernels as pk
   seen, report = set(), []
   default = pk.CONFIG
-  # The prefill cases with few sequences once more with stage 4 inside the scan (and wide scan
-  # blocks), which only many sequences pick by default (_wy_in_scan).
+  # The prefill cases with few sequences once more with stage 4 inside the scan (and, at
+  # K <= 128, wide scan blocks), which only many sequences pick by default (_wy_in_scan).
   runs = [(c, default) for c in CASES] + [
       (c, dataclasses.replace(default, h_min_programs=0)) for c in CASES
       if c[0] == "prefill" and c[4] < 8]
