@@ -9,7 +9,8 @@ compare small stages with the profile, not with this table. Each config variant 
 checked against the default config's output before its time counts: block sizes change the
 summation order, so the check is a relative error (bf16 level), not bits.
 
-    python3 benchmarks/prefill_stages.py [--rows 0,1] [--sweep] [--fla] [--like-prefill] [--budget-s 240]
+    python3 benchmarks/prefill_stages.py [--rows 0,1] [--sweep] [--fla] [--like-prefill]
+                                         [--budget-s 240]
     python3 benchmarks/prefill_stages.py --cpu-smoke      # the plumbing, in the interpreter
 
 Writes $OUT/prefill_stages.json and prints a table per row (ms per stage, share of the total).
