@@ -82,6 +82,8 @@ class _PrefillConfig:
   h_bv_narrow: int = 16
   h_bv_big_k: int = 32
   h_min_programs: int = 66  # half the SMs of an H200 (132); 128 programs measured: 64 wins
+  # Stage 4 inside the scan from this many wide-block scan programs on (_wy_in_scan).
+  wy_scan_min_programs: int = 66
   h_warps: int = 4
   h_stages: int = 3
   # float32 inputs (the reference-precision path) take "ieee" dots, whose operands Triton stages
@@ -123,7 +125,7 @@ def _wy_in_scan(cfg: _PrefillConfig, N: int, HV: int, V: int) -> bool:
   V=512 scan 0.515 -> 0.478 (kernel times); but at B=1 T=8192 H=16 (128 programs, one per SM,
   256 chunks each) the scan went 0.374 -> 0.433 ms with stage 4 inside (0.621 -> 0.675 whole).
   So: inside unless the scan is chain-bound (the case that also takes narrow blocks)."""
-  return not _few_scan_programs(cfg, N, HV, V)
+  return N * HV * -(-V // cfg.h_bv_wide) >= cfg.wy_scan_min_programs
 
 
 def _dense_descriptors(B: int, L: int) -> np.ndarray:
@@ -242,7 +244,15 @@ def _scan(k, w, u, gx, cu, offsets, n_rows, *, M, h0, state_indices, final_kind,
     out_shape.append(jax.ShapeDtypeStruct((1,), jnp.float32))
   S = h0.shape[0] if h0 is not None else N
   ph = _launch.placeholder
-  v, beta, Ai = fused_wy if fused_wy is not None else (ph(), ph(), ph())
+  if fused_wy is not None:
+    v, beta, Ai = fused_wy
+    # float32: each chunk's per-row beta load sits in the scan's sequential chain, and Triton
+    # pipelines it (cp.async, 4 bytes or more per row) only in float32; a bf16 beta is loaded
+    # where it is used, a global-memory latency per chunk (B=1 T=8192, 256 chunks: scan 0.453
+    # against 0.319 ms with float32 beta, H200 session 8).
+    beta = beta.astype(jnp.float32)
+  else:
+    v, beta, Ai = ph(), ph(), ph()
   h, h_snap, v_new, ht = _launch.call(
       "chunk_h.chunk_h_fwd_kernel", k,
       w if w is not None else ph(), u if u is not None else ph(),

@@ -230,16 +230,15 @@ def test_prefill_solve_precision_gpu(precision, monkeypatch):
                                      "interpret"])
 def test_prefill_wy_other_path(backend, monkeypatch):
   """The whole prefill with stage 4 placed the way the shape does not pick it (_wy_in_scan: inside
-  the scan unless the scan has few programs; h_min_programs moves both that choice and the
-  scan's BV) against the reference: GVA, in-kernel norms with feature masking, K = 256, no decay
-  and no beta, bf16, varlen into cache slots."""
+  the scan unless the scan has few programs) against the reference: GVA, in-kernel norms with
+  feature masking, K = 256, no decay and no beta, bf16, varlen into cache slots."""
   cases = ([GPU_CASES[0], GPU_CASES[2], GPU_CASES[4]] if backend == "triton"
            else [CASES[3], CASES[4], CASES[5], CASES[6], CASES[9], CASES[12]])
   for c in cases:
     N = len(c.varlen) or c.B
     inside = pk._wy_in_scan(pk.CONFIG, N, c.HV, c.V)
     monkeypatch.setattr(pk, "CONFIG", dataclasses.replace(
-        pk.CONFIG, h_min_programs=1 << 30 if inside else 0))
+        pk.CONFIG, wy_scan_min_programs=1 << 30 if inside else 0))
     assert pk._wy_in_scan(pk.CONFIG, N, c.HV, c.V) != inside
     check_prefill(c, backend, seed=4)
     monkeypatch.undo()

@@ -118,7 +118,7 @@ def main():
   # The prefill cases with few sequences once more with stage 4 inside the scan (and, at
   # K <= 128, wide scan blocks), which only many sequences pick by default (_wy_in_scan).
   runs = [(c, default) for c in CASES] + [
-      (c, dataclasses.replace(default, h_min_programs=0)) for c in CASES
+      (c, dataclasses.replace(default, h_min_programs=0, wy_scan_min_programs=0)) for c in CASES
       if c[0] == "prefill" and c[4] < 8]
   for case, cfg in runs:
     pk.CONFIG = cfg
