@@ -56,7 +56,7 @@ def parse_args():
                  help="per row, also a kernel profile of ours (three calls, with the gaps between "
                       "kernels) and, after all rows, of one call of fla-core's")
   p.add_argument("--variant", default=None,
-                 help="_PrefillConfig overrides, e.g. h_min_programs=0,h_stages=2: each row "
+                 help="_PrefillConfig overrides, e.g. wy_scan_min_programs=66,h_stages=2: each row "
                       "also times ours under them (checked against the default's output)")
   return p.parse_args()
 

@@ -8,8 +8,8 @@ It runs, per call:
     stage 1  Gx (expanded stream), Gu (token stream)               inside stages 2 and 6
     stage 2  A = strict_lower(beta K K^T decay), Gx, key factors   chunk_kkt
     stage 3  Ai = (I + A)^-1                                       chunk_solve
-    stage 4  w, u                                                  chunk_wy, or inside
-                                                                   stage 5 (see _wy_in_scan)
+    stage 4  w, u                                                  inside stage 5, or chunk_wy
+                                                                   (see _wy_in_scan)
     stage 5  h (chunk states), v_new, final state / cache          chunk_h
     stage 6  o                                                     chunk_o
 
@@ -48,8 +48,8 @@ class _PrefillConfig:
   The values are the winners of `benchmarks/prefill_stages.py --sweep` on the H200
   (2026-11-30, benchmarks/RESULTS.md) at B=4 T=2048 H=16 K=V=128 M=2, B=8 T=4096 H=32 and
   B=4 T=2048 H=6 K=256 V=512. One set won or came within 5% of the best at all three, so there
-  is one table row, with two choices keyed by the shape: the scan's BV and whether stage 4 runs
-  inside it (both by how many programs the scan has, _h_block_v and _wy_in_scan). Every config
+  is one table row, with the scan's BV keyed by the shape (by how many programs the scan has,
+  _h_block_v); stage 4 runs inside the scan at every measured shape (_wy_in_scan). Every config
   was checked there against the previous one's output.
   """
   # Stage 2: 2 warps and a 128-wide K slice: 0.341 against 0.369 ms (4 warps, 64) at B=8 H=32.
@@ -67,8 +67,8 @@ class _PrefillConfig:
   # 5): 0.702 / 0.786 / 0.531 ms at B=8 T=4096 H=32 and 0.100 / 0.114 / 0.079 ms at B=1 T=8192;
   # ptxas: tf32x3 at one warp has no spills where ieee spills 840 B.
   solve_precision: str = "tf32x3"
-  # Stage 4: one 64x64 Ai block times 128-wide slices of V (64 of K); 8 warps. Where the scan
-  # has many programs, stage 4 runs inside it instead (_wy_in_scan).
+  # Stage 4 when it runs as its own kernel (_wy_in_scan): one 64x64 Ai block times 128-wide
+  # slices of V (64 of K); 8 warps.
   wy_bk: int = 64
   wy_bv: int = 128
   wy_warps: int = 8
@@ -82,8 +82,9 @@ class _PrefillConfig:
   h_bv_narrow: int = 16
   h_bv_big_k: int = 32
   h_min_programs: int = 66  # half the SMs of an H200 (132); 128 programs measured: 64 wins
-  # Stage 4 inside the scan from this many wide-block scan programs on (_wy_in_scan).
-  wy_scan_min_programs: int = 66
+  # Stage 4 inside the scan from this many wide-block scan programs on (_wy_in_scan): at every
+  # measured shape, so 0; a larger value brings back chunk_wy for scans with fewer programs.
+  wy_scan_min_programs: int = 0
   h_warps: int = 4
   h_stages: int = 3
   # float32 inputs (the reference-precision path) take "ieee" dots, whose operands Triton stages
@@ -119,12 +120,12 @@ def _h_block_v(cfg: _PrefillConfig, N: int, HV: int, K: int, V: int) -> int:
 
 def _wy_in_scan(cfg: _PrefillConfig, N: int, HV: int, V: int) -> bool:
   """Stage 4 inside the scan (chunk_h's FUSE_WY) saves writing w and u and reading them back,
-  and lengthens every chunk of the scan's chain by a third product. H200, session 7 (whole
-  prefill, with fla-core's CUDA-graph time beside it): 0.437 -> 0.413 ms at B=4 T=2048 H=16,
-  0.625 -> 0.574 at M=3, 3.548 -> 2.752 at B=8 T=4096 H=32 (wy + scan 1.689 -> 0.861), K=256
-  V=512 scan 0.515 -> 0.478 (kernel times); but at B=1 T=8192 H=16 (128 programs, one per SM,
-  256 chunks each) the scan went 0.374 -> 0.433 ms with stage 4 inside (0.621 -> 0.675 whole).
-  So: inside unless the scan is chain-bound (the case that also takes narrow blocks)."""
+  and lengthens every chunk of the scan's chain by a third product. H200, whole prefill with
+  fla-core's CUDA-graph time beside it, session 7: 0.437 -> 0.413 ms at B=4 T=2048 H=16, 0.625
+  -> 0.574 at M=3, 3.548 -> 2.752 at B=8 T=4096 H=32, K=256 V=512 0.821 -> 0.776; session 8
+  (the scan's beta in float32, see _scan): B=1 T=8192 H=16, 128 programs of 256 chunks each,
+  where the chain sets the pace, 0.618 -> 0.558 (it lost there, 0.621 -> 0.675, while a bf16
+  beta load stalled each chunk), K=256 0.776 -> 0.700."""
   return N * HV * -(-V // cfg.h_bv_wide) >= cfg.wy_scan_min_programs
 
 

@@ -229,9 +229,10 @@ def test_prefill_solve_precision_gpu(precision, monkeypatch):
 @pytest.mark.parametrize("backend", [pytest.param("triton", marks=pytest.mark.gpu),
                                      "interpret"])
 def test_prefill_wy_other_path(backend, monkeypatch):
-  """The whole prefill with stage 4 placed the way the shape does not pick it (_wy_in_scan: inside
-  the scan unless the scan has few programs) against the reference: GVA, in-kernel norms with
-  feature masking, K = 256, no decay and no beta, bf16, varlen into cache slots."""
+  """The whole prefill with stage 4 placed the way the shape does not pick it (_wy_in_scan:
+  inside the scan by default; its own kernel, chunk_wy, with wy_scan_min_programs raised)
+  against the reference: GVA, in-kernel norms with feature masking, K = 256, no decay and no
+  beta, bf16, varlen into cache slots."""
   cases = ([GPU_CASES[0], GPU_CASES[2], GPU_CASES[4]] if backend == "triton"
            else [CASES[3], CASES[4], CASES[5], CASES[6], CASES[9], CASES[12]])
   for c in cases:
@@ -415,8 +416,7 @@ def test_stages(lens, M, K, dtype):
   # Stage 5, from the kernel's w and u.
   h, _, v_new, _ = out = scan(w, u)
   h_np, vn_np = check_scan("", out, lambda rows, hv, S: u_np[rows, hv] - w_np[rows, hv] @ S)
-  # Stages 4 and 5 in one kernel (chunk_h's FUSE_WY, the launcher's choice when the scan has
-  # many programs), from the kernel's Ai and Gx: v_new = Ai (beta V - beta 2^Gx K S).
+  # Stages 4 and 5 in one kernel (chunk_h's FUSE_WY, the launcher's default), from the kernel's Ai and Gx: v_new = Ai (beta V - beta 2^Gx K S).
   check_scan(" (wy in scan)", scan(None, None, (v, beta, Ai)),
              lambda rows, hv, S: Ai_np[rows, hv, :rows.stop - rows.start] @ (
                  b_np[rows, hv, None] * (v_np[rows, hv] - np.exp2(gx_np[rows, hv])[:, None]

@@ -115,11 +115,10 @@ def main():
   from gdp_jax import _prefill_kernels as pk
   seen, report = set(), []
   default = pk.CONFIG
-  # The prefill cases with few sequences once more with stage 4 inside the scan (and, at
-  # K <= 128, wide scan blocks), which only many sequences pick by default (_wy_in_scan).
-  runs = [(c, default) for c in CASES] + [
-      (c, dataclasses.replace(default, h_min_programs=0, wy_scan_min_programs=0)) for c in CASES
-      if c[0] == "prefill" and c[4] < 8]
+  # Every prefill case once more with stage 4 as its own kernel (chunk_wy, and the scan that
+  # reads its w and u), which no shape picks by default (_wy_in_scan).
+  other = dataclasses.replace(default, wy_scan_min_programs=1 << 30)
+  runs = [(c, default) for c in CASES] + [(c, other) for c in CASES if c[0] == "prefill"]
   for case, cfg in runs:
     pk.CONFIG = cfg
     for fn, args, out_shape, warps, stages, constexprs in _record_launches(*case):
