@@ -206,8 +206,8 @@ def main() -> int:
       print(f"[stages] B={B} T={T} H={H} HV={HV} K={K} V={V} M={M}: "
             + ", ".join(f"{s} {t:.3f} ms ({t / total:.0%})" for s, t in times.items())
             + f"; sum {total:.3f} ms", flush=True)
-      # Stage 4 inside the scan (chunk_h's FUSE_WY, the prefill's default), against wy + scan: its v_new and chunk states checked against theirs
-      # before its time counts.
+      # Stage 4 inside the scan (chunk_h's FUSE_WY, the prefill's default), against wy + scan:
+      # its v_new and chunk states checked against theirs before its time counts.
       sargs = (x["k"], None, None, *args["scan"][3:], (x["v"], x["beta"], args["wy"][4]))
       h_f, _, vn_f, _ = calls["scan"](*sargs)
       h_u, _, vn_u, _ = calls["scan"](*args["scan"])
