@@ -91,19 +91,24 @@ def _row_tile_t(p, row, mask_r, i_t, o_k, STRIDE: tl.constexpr, K: tl.constexpr)
 def _rows_dot_state(p, row, mask_r, b_h1, b_h2, b_h3, b_h4, o_k, STRIDE: tl.constexpr,
                     K: tl.constexpr, DOT_PRECISION: tl.constexpr):
   """Rows `row` of a row-major [*, STRIDE] array (their first K columns) times the [K, BV] state
-  held as 64-row tiles, the state rounded to the rows' dtype: [BT, BV] float32."""
-  b_x = _row_tile(p, row, mask_r, 0, o_k, STRIDE, K)
-  acc = tl.dot(b_x, b_h1.to(b_x.dtype), input_precision=DOT_PRECISION)
+  held as 64-row tiles, the state rounded to the rows' dtype: [BT, BV] float32; and the row
+  tiles themselves, which the scan with stage 4 inside uses again for K^T D (tiles past K are
+  the first one again, never read)."""
+  b_x1 = _row_tile(p, row, mask_r, 0, o_k, STRIDE, K)
+  acc = tl.dot(b_x1, b_h1.to(b_x1.dtype), input_precision=DOT_PRECISION)
+  b_x2 = b_x1
+  b_x3 = b_x1
+  b_x4 = b_x1
   if K > 64:
-    b_x = _row_tile(p, row, mask_r, 1, o_k, STRIDE, K)
-    acc += tl.dot(b_x, b_h2.to(b_x.dtype), input_precision=DOT_PRECISION)
+    b_x2 = _row_tile(p, row, mask_r, 1, o_k, STRIDE, K)
+    acc += tl.dot(b_x2, b_h2.to(b_x2.dtype), input_precision=DOT_PRECISION)
   if K > 128:
-    b_x = _row_tile(p, row, mask_r, 2, o_k, STRIDE, K)
-    acc += tl.dot(b_x, b_h3.to(b_x.dtype), input_precision=DOT_PRECISION)
+    b_x3 = _row_tile(p, row, mask_r, 2, o_k, STRIDE, K)
+    acc += tl.dot(b_x3, b_h3.to(b_x3.dtype), input_precision=DOT_PRECISION)
   if K > 192:
-    b_x = _row_tile(p, row, mask_r, 3, o_k, STRIDE, K)
-    acc += tl.dot(b_x, b_h4.to(b_x.dtype), input_precision=DOT_PRECISION)
-  return acc
+    b_x4 = _row_tile(p, row, mask_r, 3, o_k, STRIDE, K)
+    acc += tl.dot(b_x4, b_h4.to(b_x4.dtype), input_precision=DOT_PRECISION)
+  return acc, b_x1, b_x2, b_x3, b_x4
 
 
 @triton.jit
@@ -219,17 +224,8 @@ def chunk_h_fwd_kernel(
     off_v = row[:, None] * (HV * V) + i_hv * V + o_v[None, :]
     if FUSE_WY:
       # The key tiles are loaded once, for K S here and (transposed) K^T D below.
-      b_k1 = _row_tile(p_k, row, mask_r, 0, o_k, H * K, K)
-      b_ks = tl.dot(b_k1, b_h1.to(b_k1.dtype), input_precision=DOT_PRECISION)
-      if K > 64:
-        b_k2 = _row_tile(p_k, row, mask_r, 1, o_k, H * K, K)
-        b_ks += tl.dot(b_k2, b_h2.to(b_k2.dtype), input_precision=DOT_PRECISION)
-      if K > 128:
-        b_k3 = _row_tile(p_k, row, mask_r, 2, o_k, H * K, K)
-        b_ks += tl.dot(b_k3, b_h3.to(b_k3.dtype), input_precision=DOT_PRECISION)
-      if K > 192:
-        b_k4 = _row_tile(p_k, row, mask_r, 3, o_k, H * K, K)
-        b_ks += tl.dot(b_k4, b_h4.to(b_k4.dtype), input_precision=DOT_PRECISION)
+      b_ks, b_k1, b_k2, b_k3, b_k4 = _rows_dot_state(p_k, row, mask_r, b_h1, b_h2, b_h3, b_h4,
+                                                     o_k, H * K, K, DOT_PRECISION)
       b_beta = tl.load(beta + row * HV + i_hv, mask=mask_r, other=0.).to(tl.float32)
       b_kscale = b_beta
       if USE_G:
@@ -243,7 +239,7 @@ def chunk_h_fwd_kernel(
       b_v = tl.dot(b_Ai, b_x.to(b_Ai.dtype), input_precision=DOT_PRECISION)
     else:
       b_wh = _rows_dot_state(p_w, row, mask_r, b_h1, b_h2, b_h3, b_h4, o_k, HV * K, K,
-                             DOT_PRECISION)
+                             DOT_PRECISION)[0]
       b_v = tl.load(u + off_v, mask=m_rv, other=0.).to(tl.float32) - b_wh
     # Stored before the decay scaling below: stage 6 applies its own decays.
     tl.store(v_new + off_v, b_v.to(v_new.dtype.element_ty), mask=m_rv)
