@@ -104,10 +104,14 @@ class _PrefillConfig:
 CONFIG = _PrefillConfig()
 
 
+def _wide_scan_programs(cfg: _PrefillConfig, N: int, HV: int, V: int) -> int:
+  return N * HV * -(-V // cfg.h_bv_wide)
+
+
 def _few_scan_programs(cfg: _PrefillConfig, N: int, HV: int, V: int) -> bool:
   """Whether wide blocks would leave most SMs idle: then each scan program's sequential chunk
   chain, not the bytes, sets the prefill's pace (a long sequence with few heads)."""
-  return N * HV * -(-V // cfg.h_bv_wide) < cfg.h_min_programs
+  return _wide_scan_programs(cfg, N, HV, V) < cfg.h_min_programs
 
 
 def _h_block_v(cfg: _PrefillConfig, N: int, HV: int, K: int, V: int) -> int:
@@ -126,7 +130,7 @@ def _wy_in_scan(cfg: _PrefillConfig, N: int, HV: int, V: int) -> bool:
   (the scan's beta in float32, see _scan): B=1 T=8192 H=16, 128 programs of 256 chunks each,
   where the chain sets the pace, 0.618 -> 0.558 (it lost there, 0.621 -> 0.675, while a bf16
   beta load stalled each chunk), K=256 0.776 -> 0.700."""
-  return N * HV * -(-V // cfg.h_bv_wide) >= cfg.wy_scan_min_programs
+  return _wide_scan_programs(cfg, N, HV, V) >= cfg.wy_scan_min_programs
 
 
 def _dense_descriptors(B: int, L: int) -> np.ndarray:
