@@ -22,9 +22,9 @@ $OUT/decode.json as soon as it exists, tables go to stdout):
    * relative errors of ours against the jnp reference (float32) and against fla: a Triton
      miscompile on Hopper shows here before it shows in a timing.
 4. A bfloat16 cache at N = 256, HV = 16.
-5. A config sweep (BV x num_warps x the step loop's pipelining depth, through
-   gdp_jax._configs.DECODE_OVERRIDE; grid from --sweep-grid) at N = 256, 1, 8, HV = 16, D = 1,
-   each config checked against the reference after 16 steps.
+5. A config sweep (BV x num_warps through gdp_jax._configs.DECODE_OVERRIDE; --sweep-grid picks
+   the grid) at N = 256, 1, 8, HV = 16, D = 1, each config checked against the reference after
+   16 steps.
 6. (--parts profile, not in the default) A kernel profile of our 16-step loop (jax.profiler)
    and of fla-core's 16 eager steps (torch.profiler), CUPTI's device times per kernel: per step,
    how long kernels ran and the span they took, so launch gaps show apart from kernel time.
@@ -35,7 +35,6 @@ or fla, to prove the plumbing on a machine without a GPU (its times mean nothing
 from __future__ import annotations
 
 import argparse
-import itertools
 import os
 import sys
 import time
@@ -68,11 +67,8 @@ def parse_args():
                  help="custom call our kernels lower to (GDP_TRITON_CALL_TARGET; 'ffi' can be "
                       "captured into XLA command buffers)")
   p.add_argument("--sweep-grid", default=None,
-                 help="the sweep's grid as 'N=256,1,8;BV=8,16,32,64;warps=1,2,4,8;stages=1' "
-                      "(any subset; the rest keep these defaults; stages is the step loop's "
-                      "pipelining depth, DecodeConfig.num_stages)")
-  p.add_argument("--beta-dtype", default="bfloat16", choices=("bfloat16", "float32"),
-                 help="dtype of the inputs' beta (a 2-byte scalar per step is not pipelined)")
+                 help="the sweep's grid as 'N=256,1,8;BV=8,16,32,64;warps=1,2,4,8' (any subset; "
+                      "the rest keep these defaults)")
   p.add_argument("--gdp-kernel", choices=("fold", "native"), default=None,
                  help="kernel behind gated_delta_product_decode (gdp_jax._configs."
                       "GDP_DECODE_KERNEL); default: the library's")
@@ -80,9 +76,9 @@ def parse_args():
 
 
 def parse_sweep_grid(text, smoke=False):
-  """--sweep-grid 'N=256,1;stages=1,2' over the defaults, as a dict of int tuples."""
-  grid = ({"N": (2,), "BV": (8, 16), "warps": (1, 2), "stages": (1,)} if smoke else
-          {"N": (256, 1, 8), "BV": (8, 16, 32, 64), "warps": (1, 2, 4, 8), "stages": (1,)})
+  """--sweep-grid 'N=256,1;BV=16' over the defaults, as a dict of int tuples."""
+  grid = ({"N": (2,), "BV": (8, 16), "warps": (1, 2)} if smoke else
+          {"N": (256, 1, 8), "BV": (8, 16, 32, 64), "warps": (1, 2, 4, 8)})
   for item in filter(None, (text or "").split(";")):
     key, _, values = item.partition("=")
     if key not in grid:
@@ -106,7 +102,6 @@ class Bench:
     if args.gdp_kernel:
       _configs.GDP_DECODE_KERNEL = args.gdp_kernel
     print(f"[decode] gated_delta_product_decode kernel: {_configs.GDP_DECODE_KERNEL}", flush=True)
-    self.beta_dtype = args.beta_dtype
     self.backend = "interpret" if self.smoke else "triton"
     self.loop_steps = 2 if self.smoke else LOOP_STEPS  # the interpreter is slow
     self.copy_Bps = None  # set by main() once measured
@@ -140,8 +135,7 @@ class Bench:
         k=jax.random.normal(ks[1], (N, D * M, H, K), jnp.float32).astype(bf16),
         v=jax.random.normal(ks[2], (N, D * M, HV, V), jnp.float32).astype(bf16),
         g=jax.nn.log_sigmoid(jax.random.uniform(ks[3], (N, D, HV), jnp.float32, 1.0, 5.0)),
-        beta=jax.nn.sigmoid(jax.random.normal(ks[4], (N, D * M, HV), jnp.float32)).astype(
-            self.beta_dtype),
+        beta=jax.nn.sigmoid(jax.random.normal(ks[4], (N, D * M, HV), jnp.float32)).astype(bf16),
     )
     state = (0.1 * jax.random.normal(ks[5], (S, HV, K, V), jnp.float32)).astype(state_dtype)
     slots = jnp.asarray(np.random.default_rng(seed).permutation(S)[:N].astype(np.int32))
@@ -338,38 +332,37 @@ class Bench:
                          unit="step")
     common.free_device_memory()
 
-  def sweep_shape(self, results, N, HV, D, bvs, warps, stages, budget):
-    """Every (BV, num_warps, num_stages) at one shape: 16 steps from the same cache, against the
-    reference."""
+  def sweep_shape(self, results, N, HV, D, bvs, warps, budget):
+    """Every (BV, num_warps) at one shape: 16 steps from the same cache, against the reference."""
     S = N
     x, state0, slots, inter0 = self.inputs(N, HV, D, S, seed=7)
     ref_o, ref_state = self.reference(x, state0, slots, inter0, steps=self.loop_steps)
     default = self.configs.decode_config(N, HV, self.K, self.V)
     rows = []
-    for BV, w, ns in itertools.product(bvs, warps, stages):
-      row = dict(N=N, HV=HV, D=D, S=S, BV=BV, num_warps=w, num_stages=ns,
-                 default_cfg=f"BV{default.BV}w{default.num_warps}s{default.num_stages}",
-                 is_default=(BV, w, ns) == (default.BV, default.num_warps, default.num_stages))
+    for BV in bvs:
+      for w in warps:
+        row = dict(N=N, HV=HV, D=D, S=S, BV=BV, num_warps=w,
+                   default_cfg=f"BV{default.BV}w{default.num_warps}",
+                   is_default=(BV == default.BV and w == default.num_warps))
 
-      def body(row, BV=BV, w=w, ns=ns):
-        self.configs.DECODE_OVERRIDE = self.configs.DecodeConfig(BV=BV, num_warps=w,
-                                                                 num_stages=ns)
-        try:
-          loop = self.step_fn(D > 1, steps=self.loop_steps)  # traced now, under the override
-          o, st, _ = loop(self.copy(state0), self.copy(inter0), x["q"], x["k"], x["v"], x["g"],
-                          x["beta"], slots)
-          row["err_ref"] = common.worst(common.rel_err(o, ref_o),
-                               common.rel_err(st[slots[:CHECK_ROWS]],
-                                              ref_state[slots[:CHECK_ROWS]]))
-          t = common.time_jax(self.run_chain(loop, st, None if D == 1 else self.copy(inter0),
-                                             x, slots))
-          row["loop_ms"], row["spread"] = t["ms"] / self.loop_steps, t["spread"]
-          row["TBps"] = (self.state_bytes(N, HV, D, "float32", D > 1)
-                         / (row["loop_ms"] * 1e-3) / 1e12)
-        finally:
-          self.configs.DECODE_OVERRIDE = None
+        def body(row, BV=BV, w=w):
+          self.configs.DECODE_OVERRIDE = self.configs.DecodeConfig(BV=BV, num_warps=w)
+          try:
+            loop = self.step_fn(D > 1, steps=self.loop_steps)  # traced now, under the override
+            o, st, _ = loop(self.copy(state0), self.copy(inter0), x["q"], x["k"], x["v"], x["g"],
+                            x["beta"], slots)
+            row["err_ref"] = common.worst(common.rel_err(o, ref_o),
+                                 common.rel_err(st[slots[:CHECK_ROWS]],
+                                                ref_state[slots[:CHECK_ROWS]]))
+            t = common.time_jax(self.run_chain(loop, st, None if D == 1 else self.copy(inter0),
+                                               x, slots))
+            row["loop_ms"], row["spread"] = t["ms"] / self.loop_steps, t["spread"]
+            row["TBps"] = (self.state_bytes(N, HV, D, "float32", D > 1)
+                           / (row["loop_ms"] * 1e-3) / 1e12)
+          finally:
+            self.configs.DECODE_OVERRIDE = None
 
-      rows.append(common.run_row(results, "sweep", row, body, budget))
+        rows.append(common.run_row(results, "sweep", row, body, budget))
     ok = [r for r in rows if r.get("loop_ms") and r.get("err_ref", 1.0) < OK_ERR]
     if ok:
       best = dict(min(ok, key=lambda r: r["loop_ms"]))
@@ -380,8 +373,8 @@ class Bench:
 
 
 SWEEP_COLS = [
-    ("BV", "BV", "d"), ("num_warps", "warps", "d"), ("num_stages", "stages", "d"),
-    ("is_default", "default", ""), ("loop_ms", "loop_ms", ".4f"), ("spread", "spread", ".2f"), ("TBps", "TB/s", ".2f"),
+    ("BV", "BV", "d"), ("num_warps", "warps", "d"), ("is_default", "default", ""),
+    ("loop_ms", "loop_ms", ".4f"), ("spread", "spread", ".2f"), ("TBps", "TB/s", ".2f"),
     ("err_ref", "err_ref", ".1e"),
 ]
 MAIN_COLS = [
@@ -488,14 +481,13 @@ def main():
     # 5. Config sweep.
     if "sweep" in parts:
       grid = parse_sweep_grid(args.sweep_grid, smoke=b.smoke)
-      sweep = [((N, 2 if b.smoke else 16, 1), grid["BV"], grid["warps"], grid["stages"])
-               for N in grid["N"]]
-      for (N, HV, D), bvs, warps, stages in sweep:
+      sweep = [((N, 2 if b.smoke else 16, 1), grid["BV"], grid["warps"]) for N in grid["N"]]
+      for (N, HV, D), bvs, warps in sweep:
         if budget.over():
           print(f"[decode] sweep N={N} skipped: budget spent")
           continue
         try:
-          b.sweep_shape(results, N, HV, D, bvs, warps, stages, budget)
+          b.sweep_shape(results, N, HV, D, bvs, warps, budget)
         except Exception as e:
           print(f"[decode] sweep N={N} failed: {type(e).__name__}: {e}")
         common.free_device_memory()

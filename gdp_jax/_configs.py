@@ -13,8 +13,6 @@ import dataclasses
 class DecodeConfig:
   BV: int
   num_warps: int
-  # Pipelining depth of the step loop (the kernel's LOOP_STAGES; also the launch's num_stages,
-  # which a kernel without dots ignores): 1 loads each step's inputs at its start.
   num_stages: int = 1
 
 
@@ -50,5 +48,4 @@ def decode_config(N: int, HV: int, K: int, V: int) -> DecodeConfig:
   BV = min(BV, _next_pow2(V))
   # Keep the state tile at 64 float32 registers per thread or fewer (K = 256 takes two warps).
   num_warps = max(1, min(8, BK * BV // (64 * 32)))
-  # TENTATIVE (to be measured): 2 stages load step s+1's inputs while step s computes.
-  return DecodeConfig(BV=BV, num_warps=num_warps, num_stages=2)
+  return DecodeConfig(BV=BV, num_warps=num_warps)

@@ -59,7 +59,6 @@ def fused_recurrent_fwd_kernel(
     BK: tl.constexpr,
     BV: tl.constexpr,
     STEPS_PER_TOKEN: tl.constexpr,
-    LOOP_STAGES: tl.constexpr,
     # flags
     USE_G: tl.constexpr,
     USE_BETA: tl.constexpr,
@@ -112,10 +111,7 @@ def fused_recurrent_fwd_kernel(
     b_h = tl.load(h0 + (i_n.to(tl.int64) * HV + i_hv) * K * V + p_kv, mask=mask_h,
                   other=0.).to(tl.float32)
 
-  # LOOP_STAGES > 1: step s+1's q, k, v, g and beta loads are issued (cp.async) before step s
-  # computes, so a multi-step walk waits on one load latency, not one per step. A plain `range`
-  # is not pipelined at any num_stages: the loop has no dot.
-  for s in tl.range(0, eos - bos, num_stages=LOOP_STAGES):
+  for s in range(0, eos - bos):
     t = bos + s
     b_q = tl.load(q + (t * H + i_h) * K + o_k, mask=mask_k, other=0.).to(tl.float32)
     b_k = tl.load(k + (t * H + i_h) * K + o_k, mask=mask_k, other=0.).to(tl.float32)

@@ -77,7 +77,6 @@ def test_fused_recurrent_same_bits_from_torch_and_jax(shape, backend):
       q, k, v, g, beta, ph, cache, ph, slots, ph_i, scale, T, S,
       o, ph, cache, ph,
       H=H, HV=HV, K=K, V=V, NI=1, BK=BK, BV=cfg.BV, STEPS_PER_TOKEN=1,
-      LOOP_STAGES=cfg.num_stages,
       USE_G=True, USE_BETA=True, IS_BETA_HEADWISE=True, USE_QK_L2NORM=True,
       USE_INITIAL_STATE=False, STORE_FINAL_STATE=False, HAS_STATE=True, HAS_STATE_INDICES=True,
       STORE_INTERMEDIATE=False, IS_VARLEN=False, num_warps=cfg.num_warps,
