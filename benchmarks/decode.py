@@ -35,7 +35,6 @@ or fla, to prove the plumbing on a machine without a GPU (its times mean nothing
 from __future__ import annotations
 
 import argparse
-import itertools
 import os
 import sys
 import time
@@ -68,8 +67,8 @@ def parse_args():
                  help="custom call our kernels lower to (GDP_TRITON_CALL_TARGET; 'ffi' can be "
                       "captured into XLA command buffers)")
   p.add_argument("--sweep-grid", default=None,
-                 help="the sweep's grid as 'N=256,1,8;BV=8,16,32,64;warps=1,2,4,8;tiles=1' (any "
-                      "subset; the rest keep these defaults; tiles: DecodeConfig.tiles)")
+                 help="the sweep's grid as 'N=256,1,8;BV=8,16,32,64;warps=1,2,4,8' (any subset; "
+                      "the rest keep these defaults)")
   p.add_argument("--gdp-kernel", choices=("fold", "native"), default=None,
                  help="kernel behind gated_delta_product_decode (gdp_jax._configs."
                       "GDP_DECODE_KERNEL); default: the library's")
@@ -78,8 +77,8 @@ def parse_args():
 
 def parse_sweep_grid(text, smoke=False):
   """--sweep-grid 'N=256,1;BV=16' over the defaults, as a dict of int tuples."""
-  grid = ({"N": (2,), "BV": (8, 16), "warps": (1, 2), "tiles": (1,)} if smoke else
-          {"N": (256, 1, 8), "BV": (8, 16, 32, 64), "warps": (1, 2, 4, 8), "tiles": (1,)})
+  grid = ({"N": (2,), "BV": (8, 16), "warps": (1, 2)} if smoke else
+          {"N": (256, 1, 8), "BV": (8, 16, 32, 64), "warps": (1, 2, 4, 8)})
   for item in filter(None, (text or "").split(";")):
     key, _, values = item.partition("=")
     if key not in grid:
@@ -333,37 +332,37 @@ class Bench:
                          unit="step")
     common.free_device_memory()
 
-  def sweep_shape(self, results, N, HV, D, bvs, warps, tiles, budget):
-    """Every (BV, num_warps, tiles) at one shape: 16 steps from the same cache, against the
-    reference."""
+  def sweep_shape(self, results, N, HV, D, bvs, warps, budget):
+    """Every (BV, num_warps) at one shape: 16 steps from the same cache, against the reference."""
     S = N
     x, state0, slots, inter0 = self.inputs(N, HV, D, S, seed=7)
     ref_o, ref_state = self.reference(x, state0, slots, inter0, steps=self.loop_steps)
     default = self.configs.decode_config(N, HV, self.K, self.V)
     rows = []
-    for BV, w, nt in itertools.product(bvs, warps, tiles):
-      row = dict(N=N, HV=HV, D=D, S=S, BV=BV, num_warps=w, tiles=nt,
-                 default_cfg=f"BV{default.BV}w{default.num_warps}t{default.tiles}",
-                 is_default=(BV, w, nt) == (default.BV, default.num_warps, default.tiles))
+    for BV in bvs:
+      for w in warps:
+        row = dict(N=N, HV=HV, D=D, S=S, BV=BV, num_warps=w,
+                   default_cfg=f"BV{default.BV}w{default.num_warps}",
+                   is_default=(BV == default.BV and w == default.num_warps))
 
-      def body(row, BV=BV, w=w, nt=nt):
-        self.configs.DECODE_OVERRIDE = self.configs.DecodeConfig(BV=BV, num_warps=w, tiles=nt)
-        try:
-          loop = self.step_fn(D > 1, steps=self.loop_steps)  # traced now, under the override
-          o, st, _ = loop(self.copy(state0), self.copy(inter0), x["q"], x["k"], x["v"], x["g"],
-                          x["beta"], slots)
-          row["err_ref"] = common.worst(common.rel_err(o, ref_o),
-                               common.rel_err(st[slots[:CHECK_ROWS]],
-                                              ref_state[slots[:CHECK_ROWS]]))
-          t = common.time_jax(self.run_chain(loop, st, None if D == 1 else self.copy(inter0),
-                                             x, slots))
-          row["loop_ms"], row["spread"] = t["ms"] / self.loop_steps, t["spread"]
-          row["TBps"] = (self.state_bytes(N, HV, D, "float32", D > 1)
-                         / (row["loop_ms"] * 1e-3) / 1e12)
-        finally:
-          self.configs.DECODE_OVERRIDE = None
+        def body(row, BV=BV, w=w):
+          self.configs.DECODE_OVERRIDE = self.configs.DecodeConfig(BV=BV, num_warps=w)
+          try:
+            loop = self.step_fn(D > 1, steps=self.loop_steps)  # traced now, under the override
+            o, st, _ = loop(self.copy(state0), self.copy(inter0), x["q"], x["k"], x["v"], x["g"],
+                            x["beta"], slots)
+            row["err_ref"] = common.worst(common.rel_err(o, ref_o),
+                                 common.rel_err(st[slots[:CHECK_ROWS]],
+                                                ref_state[slots[:CHECK_ROWS]]))
+            t = common.time_jax(self.run_chain(loop, st, None if D == 1 else self.copy(inter0),
+                                               x, slots))
+            row["loop_ms"], row["spread"] = t["ms"] / self.loop_steps, t["spread"]
+            row["TBps"] = (self.state_bytes(N, HV, D, "float32", D > 1)
+                           / (row["loop_ms"] * 1e-3) / 1e12)
+          finally:
+            self.configs.DECODE_OVERRIDE = None
 
-      rows.append(common.run_row(results, "sweep", row, body, budget))
+        rows.append(common.run_row(results, "sweep", row, body, budget))
     ok = [r for r in rows if r.get("loop_ms") and r.get("err_ref", 1.0) < OK_ERR]
     if ok:
       best = dict(min(ok, key=lambda r: r["loop_ms"]))
@@ -374,8 +373,8 @@ class Bench:
 
 
 SWEEP_COLS = [
-    ("BV", "BV", "d"), ("num_warps", "warps", "d"), ("tiles", "tiles", "d"),
-    ("is_default", "default", ""), ("loop_ms", "loop_ms", ".4f"), ("spread", "spread", ".2f"), ("TBps", "TB/s", ".2f"),
+    ("BV", "BV", "d"), ("num_warps", "warps", "d"), ("is_default", "default", ""),
+    ("loop_ms", "loop_ms", ".4f"), ("spread", "spread", ".2f"), ("TBps", "TB/s", ".2f"),
     ("err_ref", "err_ref", ".1e"),
 ]
 MAIN_COLS = [
@@ -482,14 +481,13 @@ def main():
     # 5. Config sweep.
     if "sweep" in parts:
       grid = parse_sweep_grid(args.sweep_grid, smoke=b.smoke)
-      sweep = [((N, 2 if b.smoke else 16, 1), grid["BV"], grid["warps"], grid["tiles"])
-               for N in grid["N"]]
-      for (N, HV, D), bvs, warps, tiles in sweep:
+      sweep = [((N, 2 if b.smoke else 16, 1), grid["BV"], grid["warps"]) for N in grid["N"]]
+      for (N, HV, D), bvs, warps in sweep:
         if budget.over():
           print(f"[decode] sweep N={N} skipped: budget spent")
           continue
         try:
-          b.sweep_shape(results, N, HV, D, bvs, warps, tiles, budget)
+          b.sweep_shape(results, N, HV, D, bvs, warps, budget)
         except Exception as e:
           print(f"[decode] sweep N={N} failed: {type(e).__name__}: {e}")
         common.free_device_memory()

@@ -14,10 +14,6 @@ class DecodeConfig:
   BV: int
   num_warps: int
   num_stages: int = 1
-  # fused_recurrent: consecutive (V-block, sequence, head) tiles per program, each prefetching
-  # its next tile's state while it walks the current one (1: one tile per program). decode_config
-  # sets it to 1 where it does not divide the number of tiles.
-  tiles: int = 1
 
 
 def _next_pow2(x: int) -> int:
@@ -46,14 +42,10 @@ def decode_config(N: int, HV: int, K: int, V: int) -> DecodeConfig:
   least put more programs on the 132 SMs.
   """
   if DECODE_OVERRIDE is not None:
-    cfg = DECODE_OVERRIDE
-  else:
-    BK = _next_pow2(K)
-    BV = 16 if N * HV * -(-V // 16) >= 4 * 132 else 8
-    BV = min(BV, _next_pow2(V))
-    # Keep the state tile at 64 float32 registers per thread or fewer (K = 256 takes two warps).
-    num_warps = max(1, min(8, BK * BV // (64 * 32)))
-    cfg = DecodeConfig(BV=BV, num_warps=num_warps)
-  if (N * HV * -(-V // cfg.BV)) % cfg.tiles:
-    cfg = dataclasses.replace(cfg, tiles=1)
-  return cfg
+    return DECODE_OVERRIDE
+  BK = _next_pow2(K)
+  BV = 16 if N * HV * -(-V // 16) >= 4 * 132 else 8
+  BV = min(BV, _next_pow2(V))
+  # Keep the state tile at 64 float32 registers per thread or fewer (K = 256 takes two warps).
+  num_warps = max(1, min(8, BK * BV // (64 * 32)))
+  return DecodeConfig(BV=BV, num_warps=num_warps)

@@ -98,12 +98,13 @@ def _fused_recurrent_fwd(q, k, v, g, beta, *, dims, backend, scale, initial_stat
     aliases[6] = 2
   if has_inter:
     aliases[7] = 3
+  NV = -(-V // cfg.BV)
   o, ht, new_state, new_inter = _launch.call(
       "fused_recurrent.fused_recurrent_fwd_kernel", *args,
-      grid=(-(-V // cfg.BV) * N * HV // cfg.tiles,), out_shape=out_shape, backend=backend,
-      input_output_aliases=aliases, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+      grid=(NV * N * HV,), out_shape=out_shape, backend=backend, input_output_aliases=aliases,
+      num_warps=cfg.num_warps, num_stages=cfg.num_stages,
       H=H, HV=HV, K=K, V=V, NI=NI, BK=_configs._next_pow2(K), BV=cfg.BV,
-      STEPS_PER_TOKEN=steps_per_token, TILES=cfg.tiles,
+      STEPS_PER_TOKEN=steps_per_token,
       USE_G=g is not None, USE_BETA=beta is not None,
       IS_BETA_HEADWISE=beta is None or beta.ndim == 3,
       USE_QK_L2NORM=bool(use_qk_l2norm_in_kernel),

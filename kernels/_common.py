@@ -44,15 +44,11 @@ def chunk_decays(g, row0, n, i_hv, HV: tl.constexpr, M: tl.constexpr, BT: tl.con
 
 
 @triton.jit
-def decode_tile(i_tile, NV: tl.constexpr, HV: tl.constexpr, H: tl.constexpr):
-  """A flat decode tile index (N * HV * NV tiles, V blocks innermost) as (V block, sequence,
-  value head, key head)."""
-  i_nh = i_tile // NV
-  i_hv = i_nh % HV
-  return i_tile % NV, i_nh // HV, i_hv, i_hv // (HV // H)
-
-
-@triton.jit
 def decode_program(NV: tl.constexpr, HV: tl.constexpr, H: tl.constexpr):
-  """decode_tile of the flat program id: one grid axis, so N * HV has no 65535 cap."""
-  return decode_tile(tl.program_id(0), NV, HV, H)
+  """The flat program id of a decode grid (N * HV * NV programs, V blocks innermost) as
+  (V block, sequence, value head, key head): one axis, so N * HV has no 65535 cap."""
+  i_flat = tl.program_id(0)
+  i_v = i_flat % NV
+  i_nh = i_flat // NV
+  i_hv = i_nh % HV
+  return i_v, i_nh // HV, i_hv, i_hv // (HV // H)

@@ -11,9 +11,7 @@ Per (sequence n, value head hv), starting from S = initial state, cache slot, or
 Grid: one flat axis of NV * N * HV programs (CUDA caps axes 1 and 2 at 65535; N * HV reaches
 that at N = 4096, HV = 16). Program i owns V-block i % NV of the [K, V] state of sequence
 n = (i // NV) // HV, value head hv = (i // NV) % HV, for the whole walk: the state never leaves
-registers between steps. Value head hv reads key/query head hv // (HV // H). With TILES > 1 each
-program walks TILES consecutive such tiles (grid divided by TILES), issuing the load of the next
-tile's starting state before it walks the current one.
+registers between steps. Value head hv reads key/query head hv // (HV // H).
 
 Gated Delta Product decode reaches this kernel by folding the M Householder copies into the
 sequence (query on the last copy, decay on the first): STEPS_PER_TOKEN = M then tells where one
@@ -28,118 +26,7 @@ and a torch launcher passes the same tensor twice.
 import triton
 import triton.language as tl
 
-from ._common import decode_program, decode_tile, l2norm_rows
-
-
-@triton.jit
-def _bounds(i_n, cu_seqlens, state_indices, T, IS_VARLEN: tl.constexpr,
-            HAS_STATE_INDICES: tl.constexpr):
-  """Sequence n's first and end token on the stream and its cache slot, all int64: a token offset
-  times HV*V, or a slot times HV*K*V (S=1024, HV=32, K=128, V=512 is already 2**31 cache
-  elements), overflows int32."""
-  if IS_VARLEN:
-    bos = tl.load(cu_seqlens + i_n).to(tl.int64)
-    eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
-  else:
-    bos = i_n.to(tl.int64) * T
-    eos = bos + T
-  if HAS_STATE_INDICES:
-    slot = tl.load(state_indices + i_n).to(tl.int64)
-  else:
-    slot = i_n.to(tl.int64)
-  return bos, eos, slot
-
-
-@triton.jit
-def _load_state(h0, state_in, i_n, i_hv, slot, p_kv, mask_h, HV: tl.constexpr, K: tl.constexpr,
-                V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-                USE_INITIAL_STATE: tl.constexpr, HAS_STATE: tl.constexpr):
-  """The [BK, BV] float32 tile of the state a walk starts from: cache slot, initial state or
-  zeros. mask_h is false on a padding slot, so nothing outside the cache is read."""
-  b_h = tl.zeros([BK, BV], dtype=tl.float32)
-  if HAS_STATE:
-    b_h = tl.load(state_in + (slot * HV + i_hv) * K * V + p_kv, mask=mask_h,
-                  other=0.).to(tl.float32)
-  elif USE_INITIAL_STATE:
-    b_h = tl.load(h0 + (i_n.to(tl.int64) * HV + i_hv) * K * V + p_kv, mask=mask_h,
-                  other=0.).to(tl.float32)
-  return b_h
-
-
-@triton.jit
-def _walk(q, k, v, g, beta, o, inter_out, b_h, scale, bos, eos, slot, i_h, i_hv, o_k, o_v,
-          mask_k, mask_v, mask_h, p_kv,
-          H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-          NI: tl.constexpr, STEPS_PER_TOKEN: tl.constexpr, USE_G: tl.constexpr,
-          USE_BETA: tl.constexpr, IS_BETA_HEADWISE: tl.constexpr, USE_QK_L2NORM: tl.constexpr,
-          STORE_INTERMEDIATE: tl.constexpr):
-  """Steps bos..eos of one sequence on one [BK, BV] tile of its state; returns the tile."""
-  for s in range(0, eos - bos):
-    t = bos + s
-    b_q = tl.load(q + (t * H + i_h) * K + o_k, mask=mask_k, other=0.).to(tl.float32)
-    b_k = tl.load(k + (t * H + i_h) * K + o_k, mask=mask_k, other=0.).to(tl.float32)
-    b_v = tl.load(v + (t * HV + i_hv) * V + o_v, mask=mask_v, other=0.).to(tl.float32)
-    if USE_QK_L2NORM:
-      b_q = l2norm_rows(b_q)
-      b_k = l2norm_rows(b_k)
-    b_q = b_q * scale
-    if USE_G:
-      b_h *= tl.exp(tl.load(g + t * HV + i_hv).to(tl.float32))
-    b_v -= tl.sum(b_h * b_k[:, None], 0)
-    if USE_BETA:
-      if IS_BETA_HEADWISE:
-        b_v *= tl.load(beta + t * HV + i_hv).to(tl.float32)
-      else:
-        b_v *= tl.load(beta + (t * HV + i_hv) * V + o_v, mask=mask_v, other=0.).to(tl.float32)
-    b_h += b_k[:, None] * b_v[None, :]
-    b_o = tl.sum(b_h * b_q[:, None], 0)
-    tl.store(o + (t * HV + i_hv) * V + o_v, b_o.to(o.dtype.element_ty), mask=mask_v)
-    if STORE_INTERMEDIATE:
-      # After the last of a draft token's STEPS_PER_TOKEN steps; the mask, not a branch, keeps the
-      # loop body uniform.
-      i_tok = (s + 1) // STEPS_PER_TOKEN - 1
-      p_int = ((slot * NI + i_tok) * HV + i_hv) * K * V + p_kv
-      tl.store(inter_out + p_int, b_h.to(inter_out.dtype.element_ty),
-               mask=mask_h & ((s + 1) % STEPS_PER_TOKEN == 0))
-  return b_h
-
-
-@triton.jit
-def _zero_output(o, bos, eos, i_hv, o_v, mask_v, HV: tl.constexpr, V: tl.constexpr):
-  """A padding slot's tokens: output zeros, nothing else read or written."""
-  zero = tl.zeros_like(o_v).to(tl.float32).to(o.dtype.element_ty)
-  for s in range(0, eos - bos):
-    tl.store(o + ((bos + s) * HV + i_hv) * V + o_v, zero, mask=mask_v)
-
-
-@triton.jit
-def _store_state(ht, state_out, b_h, i_n, i_hv, slot, p_kv, mask_h, HV: tl.constexpr,
-                 K: tl.constexpr, V: tl.constexpr, STORE_FINAL_STATE: tl.constexpr,
-                 HAS_STATE: tl.constexpr):
-  if HAS_STATE:
-    tl.store(state_out + (slot * HV + i_hv) * K * V + p_kv,
-             b_h.to(state_out.dtype.element_ty), mask=mask_h)
-  elif STORE_FINAL_STATE:
-    tl.store(ht + (i_n.to(tl.int64) * HV + i_hv) * K * V + p_kv, b_h, mask=mask_h)
-
-
-@triton.jit
-def _prefetch(h0, state_in, cu_seqlens, state_indices, i_tile, o_k, mask_k, T, S,
-              H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-              BK: tl.constexpr, BV: tl.constexpr, NV: tl.constexpr,
-              USE_INITIAL_STATE: tl.constexpr, HAS_STATE: tl.constexpr,
-              HAS_STATE_INDICES: tl.constexpr, IS_VARLEN: tl.constexpr, CHECK_PAD: tl.constexpr):
-  """The starting state of tile i_tile, issued now and used a walk later (a padding slot's tile
-  reads nothing)."""
-  i_v, i_n, i_hv, _ = decode_tile(i_tile, NV, HV, H)
-  _, _, slot = _bounds(i_n, cu_seqlens, state_indices, T, IS_VARLEN, HAS_STATE_INDICES)
-  o_v = i_v * BV + tl.arange(0, BV)
-  mask_h = mask_k[:, None] & (o_v < V)[None, :]
-  if CHECK_PAD:
-    # tl.where, not &: Triton's interpreter rejects a block mask combined with a scalar by &.
-    mask_h = tl.where((slot >= 0) & (slot < S), mask_h, False)
-  return _load_state(h0, state_in, i_n, i_hv, slot, o_k[:, None] * V + o_v[None, :], mask_h,
-                     HV, K, V, BK, BV, USE_INITIAL_STATE, HAS_STATE)
+from ._common import decode_program, l2norm_rows
 
 
 @triton.jit
@@ -172,7 +59,6 @@ def fused_recurrent_fwd_kernel(
     BK: tl.constexpr,
     BV: tl.constexpr,
     STEPS_PER_TOKEN: tl.constexpr,
-    TILES: tl.constexpr,
     # flags
     USE_G: tl.constexpr,
     USE_BETA: tl.constexpr,
@@ -185,57 +71,75 @@ def fused_recurrent_fwd_kernel(
     STORE_INTERMEDIATE: tl.constexpr,
     IS_VARLEN: tl.constexpr,
 ):
-  NV: tl.constexpr = triton.cdiv(V, BV)
-  o_k = tl.arange(0, BK)
-  mask_k = o_k < K
+  i_v, i_n, i_hv, i_h = decode_program(triton.cdiv(V, BV), HV, H)
+
+  # int64 throughout: a token offset times HV*V, or a slot times HV*K*V (S=1024, HV=32, K=128,
+  # V=512 is already 2**31 cache elements), overflows int32.
+  if IS_VARLEN:
+    bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+    eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
+  else:
+    bos = i_n.to(tl.int64) * T
+    eos = bos + T
+  if HAS_STATE_INDICES:
+    slot = tl.load(state_indices + i_n).to(tl.int64)
+  else:
+    slot = i_n.to(tl.int64)
   # A slot outside [0, S) is padding (-1 by convention): it must read and write nothing, and an
   # out-of-range index from a caller must not reach memory outside the cache.
-  CHECK_PAD: tl.constexpr = HAS_STATE or STORE_INTERMEDIATE
-  if TILES == 1:
-    i_v, i_n, i_hv, i_h = decode_program(NV, HV, H)
-    bos, eos, slot = _bounds(i_n, cu_seqlens, state_indices, T, IS_VARLEN, HAS_STATE_INDICES)
-    o_v = i_v * BV + tl.arange(0, BV)
-    mask_v = o_v < V
-    mask_h = mask_k[:, None] & mask_v[None, :]
-    p_kv = o_k[:, None] * V + o_v[None, :]  # offsets inside one [K, V] state
-    if CHECK_PAD:
-      if (slot < 0) | (slot >= S):
-        _zero_output(o, bos, eos, i_hv, o_v, mask_v, HV, V)
-        return
-    b_h = _load_state(h0, state_in, i_n, i_hv, slot, p_kv, mask_h, HV, K, V, BK, BV,
-                      USE_INITIAL_STATE, HAS_STATE)
-    b_h = _walk(q, k, v, g, beta, o, inter_out, b_h, scale, bos, eos, slot, i_h, i_hv, o_k, o_v,
-                mask_k, mask_v, mask_h, p_kv, H, HV, K, V, NI, STEPS_PER_TOKEN, USE_G, USE_BETA,
-                IS_BETA_HEADWISE, USE_QK_L2NORM, STORE_INTERMEDIATE)
-    _store_state(ht, state_out, b_h, i_n, i_hv, slot, p_kv, mask_h, HV, K, V, STORE_FINAL_STATE,
-                 HAS_STATE)
-  else:
-    # TILES consecutive tiles per program (decode_config makes N * HV * NV a multiple of TILES).
-    # The next tile's state load is issued before this tile's walk, so it is in flight while the
-    # walk computes; with one tile per program nothing overlaps a program's load.
-    i_first = tl.program_id(0) * TILES
-    b_next = _prefetch(h0, state_in, cu_seqlens, state_indices, i_first, o_k, mask_k, T, S, H,
-                       HV, K, V, BK, BV, NV, USE_INITIAL_STATE, HAS_STATE, HAS_STATE_INDICES,
-                       IS_VARLEN, CHECK_PAD)
-    for j in range(0, TILES):
-      b_h = b_next
-      i_tile = i_first + j
-      # The last tile prefetches itself again: nothing past the program's tiles is read.
-      b_next = _prefetch(h0, state_in, cu_seqlens, state_indices,
-                         tl.where(j + 1 < TILES, i_tile + 1, i_tile), o_k, mask_k, T, S, H, HV,
-                         K, V, BK, BV, NV, USE_INITIAL_STATE, HAS_STATE, HAS_STATE_INDICES,
-                         IS_VARLEN, CHECK_PAD)
-      i_v, i_n, i_hv, i_h = decode_tile(i_tile, NV, HV, H)
-      bos, eos, slot = _bounds(i_n, cu_seqlens, state_indices, T, IS_VARLEN, HAS_STATE_INDICES)
-      o_v = i_v * BV + tl.arange(0, BV)
-      mask_v = o_v < V
-      mask_h = mask_k[:, None] & mask_v[None, :]
-      p_kv = o_k[:, None] * V + o_v[None, :]
-      if (not CHECK_PAD) or ((slot >= 0) & (slot < S)):
-        b_h = _walk(q, k, v, g, beta, o, inter_out, b_h, scale, bos, eos, slot, i_h, i_hv, o_k,
-                    o_v, mask_k, mask_v, mask_h, p_kv, H, HV, K, V, NI, STEPS_PER_TOKEN, USE_G,
-                    USE_BETA, IS_BETA_HEADWISE, USE_QK_L2NORM, STORE_INTERMEDIATE)
-        _store_state(ht, state_out, b_h, i_n, i_hv, slot, p_kv, mask_h, HV, K, V,
-                     STORE_FINAL_STATE, HAS_STATE)
+  is_pad = (slot < 0) | (slot >= S)
+
+  o_k = tl.arange(0, BK)
+  o_v = i_v * BV + tl.arange(0, BV)
+  mask_k = o_k < K
+  mask_v = o_v < V
+  mask_h = mask_k[:, None] & mask_v[None, :]
+  p_kv = o_k[:, None] * V + o_v[None, :]  # offsets inside one [K, V] state
+
+  if HAS_STATE or STORE_INTERMEDIATE:
+    if is_pad:
+      zero = tl.zeros([BV], dtype=tl.float32).to(o.dtype.element_ty)
+      for s in range(0, eos - bos):
+        tl.store(o + ((bos + s) * HV + i_hv) * V + o_v, zero, mask=mask_v)
+      return
+
+  b_h = tl.zeros([BK, BV], dtype=tl.float32)
+  if HAS_STATE:
+    p_state = (slot * HV + i_hv) * K * V + p_kv
+    b_h = tl.load(state_in + p_state, mask=mask_h, other=0.).to(tl.float32)
+  elif USE_INITIAL_STATE:
+    b_h = tl.load(h0 + (i_n.to(tl.int64) * HV + i_hv) * K * V + p_kv, mask=mask_h,
+                  other=0.).to(tl.float32)
+
+  for s in range(0, eos - bos):
+    t = bos + s
+    b_q = tl.load(q + (t * H + i_h) * K + o_k, mask=mask_k, other=0.).to(tl.float32)
+    b_k = tl.load(k + (t * H + i_h) * K + o_k, mask=mask_k, other=0.).to(tl.float32)
+    b_v = tl.load(v + (t * HV + i_hv) * V + o_v, mask=mask_v, other=0.).to(tl.float32)
+    if USE_QK_L2NORM:
+      b_q = l2norm_rows(b_q)
+      b_k = l2norm_rows(b_k)
+    b_q = b_q * scale
+    if USE_G:
+      b_h *= tl.exp(tl.load(g + t * HV + i_hv).to(tl.float32))
+    b_v -= tl.sum(b_h * b_k[:, None], 0)
+    if USE_BETA:
+      if IS_BETA_HEADWISE:
+        b_v *= tl.load(beta + t * HV + i_hv).to(tl.float32)
       else:
-        _zero_output(o, bos, eos, i_hv, o_v, mask_v, HV, V)
+        b_v *= tl.load(beta + (t * HV + i_hv) * V + o_v, mask=mask_v, other=0.).to(tl.float32)
+    b_h += b_k[:, None] * b_v[None, :]
+    b_o = tl.sum(b_h * b_q[:, None], 0)
+    tl.store(o + (t * HV + i_hv) * V + o_v, b_o.to(o.dtype.element_ty), mask=mask_v)
+    if STORE_INTERMEDIATE:
+      # After the last of a draft token's STEPS_PER_TOKEN steps; the mask, not a branch, keeps the
+      # loop body uniform.
+      i_tok = (s + 1) // STEPS_PER_TOKEN - 1
+      p_int = ((slot * NI + i_tok) * HV + i_hv) * K * V + p_kv
+      tl.store(inter_out + p_int, b_h.to(inter_out.dtype.element_ty),
+               mask=mask_h & ((s + 1) % STEPS_PER_TOKEN == 0))
+
+  if HAS_STATE:
+    tl.store(state_out + p_state, b_h.to(state_out.dtype.element_ty), mask=mask_h)
+  elif STORE_FINAL_STATE:
+    tl.store(ht + (i_n.to(tl.int64) * HV + i_hv) * K * V + p_kv, b_h, mask=mask_h)

@@ -154,37 +154,6 @@ def test_fused_recurrent_gpu(c):
   check_fused_recurrent(c, "triton", seed=1)
 
 
-def check_tiles_per_program(c: Case, tiles, backend):
-  """Several tiles per program (each prefetching the next tile's state) against one tile per
-  program: the same bits in every output, padding slots and varlen included."""
-  a, kw = make_inputs(c, seed=3)
-  N = len(c.varlen) or c.B
-  assert (N * c.HV * -(-c.V // 8)) % tiles == 0, "a case whose tiles do not divide tests nothing"
-  outs = []
-  for t in (1, tiles):
-    cfg = _configs.DecodeConfig(BV=8, num_warps=1, tiles=t)
-    with pytest.MonkeyPatch.context() as mp:
-      mp.setattr(_configs, "DECODE_OVERRIDE", cfg)
-      assert _configs.decode_config(N, c.HV, c.K, c.V).tiles == t
-      outs.append(gdp_jax.fused_recurrent_gated_delta_rule(**a, **kw, backend=backend))
-  for name, x, y in zip(("o", "state", "intermediate_states"), *outs):
-    assert (x is None) == (y is None) and (x is None or bits_equal(x, y)), name
-
-
-@pytest.mark.parametrize("c,tiles", [(CASES[1], 4), (CASES[2], 8), (CASES[5], 3), (CASES[6], 6),
-                                     (CASES[7], 8), (CASES[8], 2)],
-                         ids=lambda x: x.id if isinstance(x, Case) else f"tiles{x}")
-def test_tiles_per_program(c, tiles):
-  check_tiles_per_program(c, tiles, KERNEL_BACKEND)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("c,tiles", [(GPU_CASES[0], 4), (GPU_CASES[2], 16)],
-                         ids=lambda x: x.id if isinstance(x, Case) else f"tiles{x}")
-def test_tiles_per_program_gpu(c, tiles):
-  check_tiles_per_program(c, tiles, "triton")
-
-
 def gdp_inputs(N, D, M, H, HV, K, V, S, dtype, seed):
   rng = np.random.default_rng(seed)
   k = rng.standard_normal((N, D * M, H, K))

@@ -112,19 +112,15 @@ def main():
   import triton
   from triton.backends.compiler import GPUTarget
   from triton.compiler import ASTSource
-  from gdp_jax import _configs, _prefill_kernels as pk
+  from gdp_jax import _prefill_kernels as pk
   seen, report = set(), []
   default = pk.CONFIG
   # Every prefill case once more with stage 4 as its own kernel (chunk_wy, and the scan that
-  # reads its w and u), which no shape picks by default (_wy_in_scan); every decode case once
-  # more with several tiles per program (DecodeConfig.tiles), which no shape picks by default.
+  # reads its w and u), which no shape picks by default (_wy_in_scan).
   other = dataclasses.replace(default, wy_scan_min_programs=1 << 30)
-  tiles = _configs.DecodeConfig(BV=8, num_warps=1, tiles=4)
-  runs = ([(c, default, None) for c in CASES] +
-          [(c, other, None) for c in CASES if c[0] == "prefill"] +
-          [(c, default, tiles) for c in CASES if c[0] == "decode"])
-  for case, cfg, decode_cfg in runs:
-    pk.CONFIG, _configs.DECODE_OVERRIDE = cfg, decode_cfg
+  runs = [(c, default) for c in CASES] + [(c, other) for c in CASES if c[0] == "prefill"]
+  for case, cfg in runs:
+    pk.CONFIG = cfg
     for fn, args, out_shape, warps, stages, constexprs in _record_launches(*case):
       sig, consts, attrs = _signature(fn, args, out_shape, constexprs)
       key = (fn.__name__, tuple(sig.items()), tuple(sorted(consts.items())), warps, stages)
@@ -135,8 +131,7 @@ def main():
                               target=GPUTarget("cuda", 90, 32),
                               options=dict(num_warps=warps, num_stages=stages))
       report.append(dict(case=list(case), kernel=fn.__name__, num_warps=warps,
-                         num_stages=stages, tiles=constexprs.get("TILES", 1),
-                         shared=kernel.metadata.shared))
+                         num_stages=stages, shared=kernel.metadata.shared))
   print(json.dumps(report))
 
 
@@ -152,7 +147,6 @@ def test_every_launch_fits_sm90_shared_memory():
   assert {"chunk_kkt_fwd_kernel", "chunk_solve_fwd_kernel",
           "chunk_wy_fwd_kernel", "chunk_h_fwd_kernel", "chunk_o_fwd_kernel"} <= kernels, kernels
   assert any("decode" in k or "recurrent" in k for k in kernels), kernels
-  assert any(r["tiles"] > 1 for r in report), "the tiled decode kernel was not compiled"
   over = [r for r in report if r["shared"] > SM90_MAX_SHARED]
   assert not over, f"over the {SM90_MAX_SHARED} bytes of an sm_90 block: {over}"
 

@@ -73,10 +73,10 @@ def test_fused_recurrent_same_bits_from_torch_and_jax(shape, backend):
   o = torch.full((N, T, HV, V), float("nan"), device=dev, dtype=torch.bfloat16)
   cfg = _configs.decode_config(N, HV, K, V)
   BK = 1 << (K - 1).bit_length()
-  fused_recurrent_fwd_kernel[(-(-V // cfg.BV) * N * HV // cfg.tiles,)](
+  fused_recurrent_fwd_kernel[(-(-V // cfg.BV) * N * HV,)](
       q, k, v, g, beta, ph, cache, ph, slots, ph_i, scale, T, S,
       o, ph, cache, ph,
-      H=H, HV=HV, K=K, V=V, NI=1, BK=BK, BV=cfg.BV, STEPS_PER_TOKEN=1, TILES=cfg.tiles,
+      H=H, HV=HV, K=K, V=V, NI=1, BK=BK, BV=cfg.BV, STEPS_PER_TOKEN=1,
       USE_G=True, USE_BETA=True, IS_BETA_HEADWISE=True, USE_QK_L2NORM=True,
       USE_INITIAL_STATE=False, STORE_FINAL_STATE=False, HAS_STATE=True, HAS_STATE_INDICES=True,
       STORE_INTERMEDIATE=False, IS_VARLEN=False, num_warps=cfg.num_warps,
