@@ -1,5 +1,5 @@
 # chunk_h at K=256 V=512 H=6 under h_stages=2, three calls (for ncu); SMOKE=1: tiny, interpreter
-import dataclasses, os, sys
+import dataclasses, os
 import jax, jax.numpy as jnp
 import gdp_jax
 from gdp_jax import _prefill_kernels as pk
