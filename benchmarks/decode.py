@@ -481,13 +481,12 @@ def main():
     # 5. Config sweep.
     if "sweep" in parts:
       grid = parse_sweep_grid(args.sweep_grid, smoke=b.smoke)
-      sweep = [((N, 2 if b.smoke else 16, 1), grid["BV"], grid["warps"]) for N in grid["N"]]
-      for (N, HV, D), bvs, warps in sweep:
+      for N in grid["N"]:
         if budget.over():
           print(f"[decode] sweep N={N} skipped: budget spent")
           continue
         try:
-          b.sweep_shape(results, N, HV, D, bvs, warps, budget)
+          b.sweep_shape(results, N, 2 if b.smoke else 16, 1, grid["BV"], grid["warps"], budget)
         except Exception as e:
           print(f"[decode] sweep N={N} failed: {type(e).__name__}: {e}")
         common.free_device_memory()
