@@ -7,10 +7,15 @@ random token stream twice, through a float32 cache and through a bfloat16 cache,
 relative error of the outputs and of the state at chosen steps, for a realistic gating
 (FLA's layer initialisation of A_log and dt_bias, beta = sigmoid(b), L2-normalised q and k).
 
-    python benchmarks/bf16_cache_error.py [--steps 1000] [--out results.json]
+    python benchmarks/bf16_cache_error.py [--steps 1000] [--out benchmarks/bf16_cache_error.json]
+
+With --out, the rows go to a JSON file whose "meta" (date, commit, command, versions) lets
+benchmarks/make_results.py put them in benchmarks/RESULTS.md.
 """
 import argparse
 import json
+import os
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -73,7 +78,12 @@ def main():
                state=max(rel(s32[t], s16[t]) for t in range(steps)))
   print(f"worst over all {steps} steps: o {worst['o']:.2e}, state {worst['state']:.2e}")
   if a.out:
-    json.dump(dict(config=vars(a), rows=rows, worst=worst), open(a.out, "w"), indent=1)
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import common  # noqa: E402  (only for the run's meta: date, commit, command, versions)
+    meta = dict(common.run_meta(common.versions()),
+                title=f"bfloat16 decode cache against float32 over {steps} steps (jnp reference)")
+    with open(a.out, "w") as f:
+      json.dump(dict(meta=meta, config=vars(a), rows=rows, worst=worst), f, indent=1)
 
 
 if __name__ == "__main__":

@@ -3,7 +3,9 @@
 The benchmarks run JAX (our kernels, through jax_triton) and torch (fla-core, the baseline) in
 one process on one GPU, so the environment has to be set before either is imported: see
 `setup_env`. Every number is written to $OUT/<name>.json after each row, so a run that is cut
-short still returns what it measured.
+short still returns what it measured. Each file's "meta" records the date, the commit, the
+command and the versions (`run_meta`), which `benchmarks/make_results.py` prints above the
+file's tables in benchmarks/RESULTS.md.
 
 Run as a script, this file prints the end-of-run summary of a GPU run:
 `python3 benchmarks/common.py --summary $OUT`.
@@ -14,8 +16,10 @@ import json
 import math
 import os
 import re
+import shlex
 import signal
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -102,6 +106,40 @@ def versions() -> dict:
   return info
 
 
+VERSION_KEYS = ("python", "jax", "jaxlib", "triton", "torch", "jax_triton", "fla", "numpy")
+
+
+def git_commit() -> str:
+  """The commit being measured: $GDP_COMMIT if set (gpu_run.sh sets it where git works), else
+  `git rev-parse --short HEAD` with "+dirty" for uncommitted changes to tracked files, else
+  "unknown" (a copy of the working tree without .git)."""
+  if os.environ.get("GDP_COMMIT"):
+    return os.environ["GDP_COMMIT"]
+  here = os.path.dirname(os.path.abspath(__file__))
+  try:
+    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=here, text=True,
+                          capture_output=True, timeout=10)
+    if head.returncode != 0 or not head.stdout.strip():
+      return "unknown"
+    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=here,
+                           text=True, capture_output=True, timeout=10)
+    return head.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
+  except Exception:
+    return "unknown"
+
+
+def run_meta(info: dict | None = None) -> dict:
+  """date, commit, command and versions of this run, for a result file's "meta"."""
+  info = versions() if info is None else info
+  vers = {k: info[k] for k in VERSION_KEYS
+          if k in info and not str(info[k]).startswith("unavailable")}
+  if "device" in info:
+    vers["device"] = info["device"]
+  return {"date": time.strftime("%Y-%m-%d", time.gmtime()), "commit": git_commit(),
+          "command": " ".join(shlex.quote(a) for a in ["python3"] + sys.argv),
+          "versions": vers}
+
+
 def has_torch_cuda() -> bool:
   try:
     import torch
@@ -141,7 +179,9 @@ class Results:
 
   def __init__(self, path: str, meta: dict):
     self.path = path
-    self.data = {"meta": meta, "sections": {}}
+    # date, commit, command and versions first (from the flat version fields the scripts pass),
+    # then the script's own fields, which the notebooks read under their flat names.
+    self.data = {"meta": dict(run_meta(meta), **meta), "sections": {}}
     self.save()
 
   def add(self, section: str, row: dict) -> dict:
@@ -405,7 +445,7 @@ def copy_bandwidth_jax(nbytes: int) -> dict:
   """Device-to-device bandwidth of an elementwise jnp pass, bytes read + written per second.
 
   `x * 2 + 1` reads and writes every element once (XLA fuses it into one kernel) and cannot be
-  elided like a plain copy; nonzero data, as METHOD.md asks.
+  elided like a plain copy; the data are nonzero.
   """
   import jax
   import jax.numpy as jnp
@@ -459,7 +499,7 @@ def _as_jax(x):
 
 
 def rel_err(out, ref) -> float:
-  """||out - ref|| / ||ref|| (METHOD.md's metric); NaN if either holds a non-finite value.
+  """||out - ref|| / ||ref||, the relative error; NaN if either holds a non-finite value.
 
   Computed on the device in float32: the tensors compared here reach a gigabyte, too slow to
   ship to the host, and a float32 sum is ample for an error ratio read to two digits.
@@ -553,7 +593,7 @@ def print_table(title: str, rows: list[dict], cols: list[tuple[str, str, str]],
 
 
 # --------------------------------------------------------------------------------------------
-# End-of-run summary (gpu_run.sh prints it last: the reply carries only the end of the output)
+# End-of-run summary (gpu_run.sh prints it last, where a capped log still shows it)
 # --------------------------------------------------------------------------------------------
 
 

@@ -1,14 +1,19 @@
 #!/usr/bin/env bash
-# One call on the H200: environment, the GPU tests, the decode and prefill benchmarks, and a
-# short summary printed last (the reply carries only the end of the output).
+# One GPU run: environment, the GPU tests, the decode and prefill benchmarks, and a short
+# summary printed last (so that the end of the output, all a capped log may keep, says what
+# happened).
 #
-# Run from the repository root, with the two wheels (.whl/, carried) installed first:
+# Run from the repository root, with the wheels in .whl/ (jax-triton 0.3.1 and fla-core, for a
+# machine without network access) installed first:
 #   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
 #     --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD; bash benchmarks/gpu_run.sh
 #
 # Files under $OUT (default ./bench_out): gpu_tests.log, bench.log (environment and benchmark
-# output), decode.json, prefill.json, summary.txt.
-# Wall-clock caps per step (seconds; the sum must stay under the lease's 10-minute call):
+# output), decode.json, prefill.json, summary.txt. To publish results, copy a JSON file over
+# the one in benchmarks/ and run `python3 benchmarks/make_results.py` (it rewrites RESULTS.md).
+# Each JSON records date, commit, command and versions; where the tree has no .git, set
+# GDP_COMMIT to name the commit.
+# Wall-clock caps per step (seconds; keep their sum under the run's own wall-clock limit):
 #   GDP_TEST_BUDGET (180), GDP_DECODE_BUDGET (180), GDP_PREFILL_BUDGET (150); GDP_TEST_WORKERS (6)
 #   test processes when pytest-xdist is there.
 # GDP_TEST_K: one pytest -k expression for the test step (spaces allowed).
@@ -80,9 +85,12 @@ EOF
 } 2>&1 | tee -a "$LOG"
 
 # 2a. (GDP_STEPS=...,notebooks) The notebooks top to bottom on the GPU (their kernels run through
-#     jax-triton there). The device has no Jupyter: `.whl/nb/` holds nbformat, nbclient, ipykernel
-#     and their dependencies as py3.12 wheels (see benchmarks/NOTES.md for the download command);
-#     they go into their own folder, last on the path, so they shadow nothing of jax or torch.
+#     jax-triton there). For a GPU machine without Jupyter, `.whl/nb/` holds nbformat, nbclient,
+#     ipykernel and their dependencies as py3.12 wheels, downloaded beforehand with
+#       python3 -m pip download -q --only-binary=:all: --python-version 3.12 --implementation cp \
+#         --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 \
+#         --platform manylinux_2_28_x86_64 -d .whl/nb nbformat nbclient ipykernel
+#     They go into their own folder, last on the path, so they shadow nothing of jax or torch.
 #     With GDP_STEPS=...,notebooks,beside,... they run in the background while the tests run (both
 #     are mostly compilation on the CPU, which has 16 cores), and the benchmarks wait for both.
 run_notebooks() {

@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
-# Hardware counters of chosen kernels (Nsight Compute, on the H200's Firecracker machines), run
-# after benchmarks/gpu_run.sh has installed the project (gdp_kernels) into the path.
+# Hardware counters of chosen kernels (Nsight Compute), run after benchmarks/gpu_run.sh has
+# installed the project (gdp_kernels) into the path.
 #
 #   bash benchmarks/ncu_run.sh NAME REGEX SKIP COUNT CMD...
 #
 # profiles COUNT launches of the kernels whose names match REGEX, after skipping SKIP of them
 # (compile and warm-up runs), while CMD runs; the report goes to $OUT/ncu_NAME.txt. The clocks
-# are left alone (--clock-control none), as the device notes ask. Sections: throughput against
+# are left alone (--clock-control none): the kernels run at the clocks they get without the
+# profiler, and the GPU's settings are not touched. Sections: throughput against
 # the peaks, occupancy and its limiters, launch sizes, warp stall reasons, scheduler issue
 # rates, memory traffic per level.
 set -u

@@ -35,7 +35,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # noqa: E402
 
 BT = 64                # chunk length of the chunked algorithm
-MATMUL_FLOPS = 790e12  # dense bf16 matmul rate measured on the H200 (shared/gpu/README.md)
+MATMUL_FLOPS = 790e12  # dense bf16 matmul rate, as measured on an H200
 
 
 def parse_args():

@@ -2,7 +2,7 @@
 the pinned block sizes and warps of the stages that dominate.
 
 Without hardware counters, a stage's share is measured by running it alone on the inputs the
-previous stages produced (METHOD.md: time variants, take differences). A stage's time includes
+previous stages produced (time variants, take differences). A stage's time includes
 the launch of its jitted call: for stages of tens of microseconds that launch dominates (at
 K=256 V=512 kkt and solve read 55 and 50 us here, 24 and 30 us in prefill.py --profile), so
 compare small stages with the profile, not with this table. Each config variant is
@@ -33,8 +33,8 @@ SMOKE_ROWS = [(1, 130, 1, 2, 32, 32, 2)]
 
 # Variants per stage: the fields of _PrefillConfig each one overrides. Dict order is sweep
 # order, the stages with the most to gain first, so a budget cut drops the least likely winners;
-# combinations that lost everywhere in the session-2 sweep (RESULTS.md: 1-stage scans, 2-warp
-# scans) are left out.
+# combinations that lost everywhere in the first full sweep (1-stage scans, 2-warp scans; see
+# docs/performance.md) are left out.
 SWEEP = {
     "solve": [dict(solve_warps=w, solve_precision=p) for p in ("tf32x3", "tf32", "ieee")
               for w in (1, 2, 4)],

@@ -121,8 +121,9 @@ def main():
   out_dir = a.out or os.environ.get("OUT") or "./bench_out"
   os.makedirs(out_dir, exist_ok=True)
   with open(os.path.join(out_dir, "sharding.json"), "w") as f:
-    json.dump({"device": str(devices[0].device_kind), "jax": jax.__version__, "rows": rows}, f,
-              indent=1)
+    meta = dict(common.run_meta(common.versions()), device=f"2 x {devices[0].device_kind}")
+    json.dump({"meta": meta, "device": str(devices[0].device_kind), "jax": jax.__version__,
+               "rows": rows}, f, indent=1)
   print("\n== decode step, heads sharded over 2 devices (ms per step; ratio 1.0 = perfect)")
   print(f"{'N':>5} {'D':>2} {'HV':>4} {'2dev HV':>9} {'1dev HV/2':>10} {'1dev HV':>9} "
         f"{'ratio':>6} {'speedup':>8}")

@@ -162,9 +162,12 @@ def call(
 
 def _forward_only(primals, tangents):
   raise NotImplementedError(
-      "gdp_jax's Triton kernels compute the forward pass only (prefill and decode); there is no "
-      "backward kernel to differentiate through. For gradients use backend='reference', the "
-      "pure jax.numpy twins, which jax differentiates like any jnp code.")
+      "gdp_jax's Triton kernels are differentiable only through chunk_gated_delta_product "
+      "without a state cache and without chunk snapshots: jax.grad / jax.vjp with respect to "
+      "q, k, v, g, beta and initial_state (and the final state's cotangent with "
+      "output_final_state=True). The state cache (state, state_indices), return_chunk_states "
+      "and the decode entry points are forward-only; for gradients through those use "
+      "backend='reference', the pure jax.numpy twins.")
 
 
 def _no_launch(args, out_shape, aliases):

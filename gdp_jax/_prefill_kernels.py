@@ -308,7 +308,7 @@ def _output(q, k, v_new, h, g, state_indices, S, cu, desc, *, M, scale, out_dtyp
 def _chunk_gated_delta_product_fwd(
     q, k, v, g, beta, *, num_householder, scale, initial_state, output_final_state,
     use_qk_l2norm_in_kernel, cu_seqlens, state, state_indices, return_chunk_states,
-    chunk_states_dtype, backend):
+    chunk_states_dtype, backend, return_residuals=False):
   """Chunked prefill on the Triton kernels; matches `gdp_jax.reference.chunk_gated_delta_product`.
 
   Inputs were checked by the caller (`gdp_jax.prefill`); `scale` is a float.
@@ -330,9 +330,14 @@ def _chunk_gated_delta_product_fwd(
     return_chunk_states: also return the state entering every 64-token chunk.
     chunk_states_dtype: dtype of those; None: the cache's, else initial_state's, else k's.
     backend: "triton" or "interpret".
+    return_residuals: also return what the backward reuses (`_prefill_bwd`): the per-chunk
+      inverse Ai [B*T*M, HV, 64] in k.dtype, the expanded-stream log2 cumulative decays Gx
+      [B*T*M, HV] float32 (None without g) and the key row factors [B*T*M, H] float32 (None
+      without the L2 norm). They are intermediates of every forward, so asking costs nothing.
 
   Returns:
-    (o, final_state), plus chunk_states when `return_chunk_states`:
+    (o, final_state), plus chunk_states when `return_chunk_states`, plus the residuals last
+    when `return_residuals`:
       o: [B, T, HV, V] in v.dtype; zero for padding sequences and tokens past cu_seqlens[N].
       final_state: the updated cache [S, HV, K, V] (cache dtype) with `state`; else
         [N, HV, K, V] float32 when `output_final_state`; else None.
@@ -432,4 +437,6 @@ def _chunk_gated_delta_product_fwd(
     else:
       states = states.reshape(B, n_c, HV, K, V)
     outputs = outputs + (states,)
+  if return_residuals:
+    outputs = outputs + ((Ai, gx, rk),)
   return outputs

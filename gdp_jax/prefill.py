@@ -73,6 +73,6 @@ def chunk_gated_delta_product(
     raise NotImplementedError(
         f"backend={backend!r}: the chunked kernels take bfloat16, float16 or float32 keys, got "
         f"{k.dtype}; cast the inputs, or use backend='reference' for float64")
-  from gdp_jax._prefill_kernels import _chunk_gated_delta_product_fwd
-  return _backends.call_jitted(_chunk_gated_delta_product_fwd, arrays, backend=backend,
+  from gdp_jax._prefill_bwd import chunk_gated_delta_product_train
+  return _backends.call_jitted(chunk_gated_delta_product_train, arrays, backend=backend,
                                **static)

@@ -664,20 +664,3 @@ def test_cache_past_int32_offsets_gpu():
   assert_close("o", o_ref, o, 1e-2)
   assert_close("state at the far slot", final_ref, cache[slots], 1e-2)
   assert bits_equal(cache[S - 2], neighbour)
-
-
-def test_gradients_need_the_reference_backend():
-  """The kernels are forward only: jax.grad through them says so and names the way out; the
-  reference backend differentiates."""
-  a, kw = make_inputs(Case(T=20, HV=2, M=2), seed=3)
-
-  def loss(q, backend):
-    o, _ = gdp_jax.chunk_gated_delta_product(q, a["k"], a["v"], a["g"], a["beta"], **kw,
-                                             backend=backend)
-    return jnp.sum(o.astype(jnp.float32) ** 2)
-
-  with pytest.raises(NotImplementedError, match="backend='reference'"):
-    jax.grad(loss)(a["q"], KERNEL_BACKEND)
-  dq = jax.grad(loss)(a["q"], "reference")
-  assert dq.shape == a["q"].shape and bool(jnp.all(jnp.isfinite(dq)))
-  assert float(jnp.max(jnp.abs(dq))) > 0

@@ -1,0 +1,214 @@
+"""The training path of the chunked prefill: a `jax.custom_vjp` whose backward runs Triton kernels.
+
+`chunk_gated_delta_product_train` has the signature of `_prefill_kernels._chunk_gated_delta_product_fwd`.
+Without a state cache and chunk snapshots it is differentiable with respect to q, k, v, g, beta
+and initial_state (with the final state's cotangent when output_final_state); otherwise it is
+the plain forward, whose launches refuse differentiation with a message naming what is
+differentiable.
+
+The forward rule is the plain forward, which also hands back three of its intermediates (the
+per-chunk inverse Ai, the expanded-stream cumulative decays Gx and the key row factors): a
+plain forward call never goes through it, so it pays nothing for training. The backward
+(docs/algorithm.md §13.1) runs on the expanded stream as Gated DeltaNet, with the query and the
+output cotangent placed on each token's last copy:
+
+    recompute  the state entering every expanded chunk and V' (chunk_h, stage 4 inside, with
+               M = 1 on the expanded stream so that it checkpoints every chunk)
+    reverse    dS from the final-state cotangent back to dh0; per chunk dh and dV'  chunk_h_bwd
+    per chunk  dq~, dk (output, state update), dW, the decay's per-row part         chunk_o_bwd
+    per chunk  the WY backward: dk, dv, dbeta; the decay's reverse cumulative sum   chunk_wy_bwd
+
+then sums dq and dk over the value heads of each key head, keeps dq from each token's last copy
+and dg from its first, and applies the L2 norm's backward, dx = (dy - y <y, dy>) / |x|_eps.
+The chunk states are recomputed rather than saved, as FLA and jax-linear-attention do: one scan
+costs less than writing and reading back a state per chunk.
+"""
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from gdp_jax import _launch
+from gdp_jax import _prefill_kernels as pk
+from gdp_jax.reference.chunked import chunk_descriptors, chunk_offsets
+
+BT = pk.BT
+_BK = 64  # the backward's K blocks (chunk_o_bwd's grid axis, chunk_wy_bwd's loops)
+_BV = 64
+
+
+class _Static(NamedTuple):
+  num_householder: int
+  scale: float
+  output_final_state: bool
+  use_qk_l2norm_in_kernel: bool
+  backend: str
+
+
+def chunk_gated_delta_product_train(
+    q, k, v, g, beta, *, num_householder, scale, initial_state, output_final_state,
+    use_qk_l2norm_in_kernel, cu_seqlens, state, state_indices, return_chunk_states,
+    chunk_states_dtype, backend):
+  """`_prefill_kernels._chunk_gated_delta_product_fwd`, differentiable where it can be."""
+  if state is not None or state_indices is not None or return_chunk_states:
+    return pk._chunk_gated_delta_product_fwd(
+        q, k, v, g, beta, num_householder=num_householder, scale=scale,
+        initial_state=initial_state, output_final_state=output_final_state,
+        use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, cu_seqlens=cu_seqlens, state=state,
+        state_indices=state_indices, return_chunk_states=return_chunk_states,
+        chunk_states_dtype=chunk_states_dtype, backend=backend)
+  static = _Static(int(num_householder), float(scale), bool(output_final_state),
+                   bool(use_qk_l2norm_in_kernel), backend)
+  return _prefill(q, k, v, g, beta, initial_state, cu_seqlens, static)
+
+
+def _forward(q, k, v, g, beta, initial_state, cu_seqlens, static, return_residuals):
+  return pk._chunk_gated_delta_product_fwd(
+      q, k, v, g, beta, num_householder=static.num_householder, scale=static.scale,
+      initial_state=initial_state, output_final_state=static.output_final_state,
+      use_qk_l2norm_in_kernel=static.use_qk_l2norm_in_kernel, cu_seqlens=cu_seqlens,
+      state=None, state_indices=None, return_chunk_states=False, chunk_states_dtype=None,
+      backend=static.backend, return_residuals=return_residuals)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7,))
+def _prefill(q, k, v, g, beta, initial_state, cu_seqlens, static):
+  return _forward(q, k, v, g, beta, initial_state, cu_seqlens, static, False)
+
+
+def _prefill_fwd(q, k, v, g, beta, initial_state, cu_seqlens, static):
+  o, final, res = _forward(q, k, v, g, beta, initial_state, cu_seqlens, static, True)
+  return (o, final), (q, k, v, g, beta, initial_state, cu_seqlens, res)
+
+
+def _prefill_bwd(static, saved, cotangents):
+  q, k, v, g, beta, initial_state, cu_seqlens, (Ai, gx, rk) = saved
+  do, dht = cotangents
+  grads = _backward(q, k, v, g, beta, initial_state, cu_seqlens, Ai, gx, rk, do,
+                    dht if static.output_final_state else None, static)
+  return grads + (None,)
+
+
+_prefill.defvjp(_prefill_fwd, _prefill_bwd)
+
+
+def _l2norm_bwd(x, dy):
+  """The cotangent of x / sqrt(|x|^2 + 1e-6) (rows of the last axis), in float32."""
+  x = x.astype(jnp.float32)
+  r = jax.lax.rsqrt(jnp.sum(x * x, -1, keepdims=True) + 1e-6)
+  y = x * r
+  return r * (dy - y * jnp.sum(y * dy, -1, keepdims=True))
+
+
+def _backward(q, k, v, g, beta, initial_state, cu_seqlens, Ai, gx, rk, do, dht, static):
+  """(dq, dk, dv, dg, dbeta, dh0), each in its input's dtype (None for an absent input)."""
+  M = static.num_householder
+  backend = static.backend
+  B, T, H, K = q.shape
+  HV, V = v.shape[2], v.shape[3]
+  G = HV // H
+  dtype = k.dtype
+  prec = pk._dot_precision(dtype)
+  TT, R = B * T, B * T * M
+
+  kp = k.reshape(R, H, K)
+  vp = v.astype(dtype).reshape(R, HV, V)
+  qp = q.astype(dtype).reshape(TT, H, K)
+  beta_p = (jnp.ones((R, HV), jnp.float32) if beta is None
+            else beta.reshape(R, HV).astype(jnp.float32))
+  if cu_seqlens is None:
+    N = B
+    cu = jnp.asarray(np.arange(B + 1, dtype=np.int32) * T)
+    n_rows_x = B * -(-(T * M) // BT)
+    desc_x = jnp.asarray(pk._dense_descriptors(B, T * M))
+  else:
+    N = cu_seqlens.shape[0] - 1
+    cu = cu_seqlens.astype(jnp.int32)
+    n_rows_x = min(R, R // BT + N)
+    desc_x = chunk_descriptors(cu * M, n_rows_x)
+  offsets_x = chunk_offsets(cu * M)
+
+  # The states entering every expanded chunk: the forward scan on the expanded stream seen as
+  # one row per token (M = 1 over M * cu_seqlens), so that it checkpoints every chunk.
+  h_x, _, v_new, _ = pk._scan(
+      kp, None, None, gx, cu * M, offsets_x, n_rows_x, M=1, h0=initial_state,
+      state_indices=None, final_kind="none", h_dtype=dtype, snap_dtype=None, backend=backend,
+      rk=rk, fused_wy=(vp, beta_p, Ai))
+
+  # The backward kernels take the normalised rows themselves.
+  if static.use_qk_l2norm_in_kernel:
+    qn = (qp.astype(jnp.float32) * jax.lax.rsqrt(
+        jnp.sum(jnp.square(qp.astype(jnp.float32)), -1, keepdims=True) + 1e-6)).astype(dtype)
+    kn = (kp.astype(jnp.float32) * rk[..., None]).astype(dtype)
+  else:
+    qn, kn = qp, kp
+  q_x = jnp.zeros((TT, M, H, K), dtype).at[:, M - 1].set(qn).reshape(R, H, K)
+  do_x = jnp.zeros((TT, M, HV, V), dtype).at[:, M - 1].set(
+      do.reshape(TT, HV, V).astype(dtype)).reshape(R, HV, V)
+
+  ph = _launch.placeholder
+  f32 = jnp.float32
+  use_g = gx is not None
+  bv = _BV if K <= 128 else 32
+  dh, dvp, dh0 = _launch.call(
+      "chunk_h_bwd.chunk_h_bwd_kernel", q_x, kn, gx if use_g else ph(), beta_p, Ai, do_x,
+      dht.astype(f32) if dht is not None else ph(), cu, offsets_x, float(static.scale),
+      grid=(N * HV, -(-V // bv)),
+      out_shape=[jax.ShapeDtypeStruct((n_rows_x, HV, K, V), f32),
+                 jax.ShapeDtypeStruct((R, HV, V), f32),
+                 jax.ShapeDtypeStruct((N, HV, K, V) if initial_state is not None else (1,), f32)],
+      backend=backend, num_warps=4, num_stages=2,
+      H=H, HV=HV, K=K, V=V, M=M, BT=BT, BV=bv, USE_G=use_g, USE_DHT=dht is not None,
+      USE_DH0=initial_state is not None, DOT_PRECISION=prec)
+
+  nk = -(-K // _BK)
+  dq_x, dk_o, dw, dg_k = _launch.call(
+      "chunk_o_bwd.chunk_o_bwd_kernel", q_x, kn, v_new, h_x, do_x, dh, dvp,
+      gx if use_g else ph(), cu, desc_x, float(static.scale),
+      grid=(desc_x.shape[0], HV, nk),
+      out_shape=[jax.ShapeDtypeStruct((R, HV, K), f32)] * 3
+      + [jax.ShapeDtypeStruct((R, HV, nk) if use_g else (1,), f32)],
+      backend=backend, num_warps=4, num_stages=2,
+      H=H, HV=HV, K=K, V=V, M=M, BT=BT, BK=_BK, BV=_BV, NK=nk, USE_G=use_g,
+      DOT_PRECISION=prec)
+
+  dk_x, dv_x, dbeta_x, dg_x = _launch.call(
+      "chunk_wy_bwd.chunk_wy_bwd_kernel", kn, vp, beta_p, gx if use_g else ph(), Ai, dw, dvp,
+      dk_o, dg_k if use_g else ph(), cu, desc_x,
+      grid=(desc_x.shape[0], HV),
+      out_shape=[jax.ShapeDtypeStruct((R, HV, K), f32), jax.ShapeDtypeStruct((R, HV, V), f32),
+                 jax.ShapeDtypeStruct((R, HV), f32),
+                 jax.ShapeDtypeStruct((R, HV) if use_g else (1,), f32)],
+      backend=backend, num_warps=4, num_stages=2,
+      H=H, HV=HV, K=K, V=V, M=M, BT=BT, BK=_BK, BV=_BV, NK=nk, USE_G=use_g,
+      DOT_PRECISION=prec)
+
+  # Per key head: the value heads of a group share q and k.
+  dq = dq_x.reshape(TT, M, H, G, K)[:, M - 1].sum(2)
+  dk = dk_x.reshape(R, H, G, K).sum(2)
+  if static.use_qk_l2norm_in_kernel:
+    dq = _l2norm_bwd(qp, dq)
+    dk = _l2norm_bwd(kp, dk)
+  dg = dg_x.reshape(TT, M, HV)[:, 0] if use_g else None
+
+  # Rows past cu_seqlens[N] belong to no sequence and no kernel writes them: exactly zero (a
+  # select, so whatever the buffers held does not leak).
+  if cu_seqlens is not None:
+    tok = jnp.arange(TT) < cu[N]
+    row = jnp.arange(R) < cu[N] * M
+    dq = jnp.where(tok[:, None, None], dq, 0)
+    dg = jnp.where(tok[:, None], dg, 0) if use_g else None
+    dk = jnp.where(row[:, None, None], dk, 0)
+    dv_x = jnp.where(row[:, None, None], dv_x, 0)
+    dbeta_x = jnp.where(row[:, None], dbeta_x, 0)
+
+  return (dq.reshape(q.shape).astype(q.dtype),
+          dk.reshape(k.shape).astype(k.dtype),
+          dv_x.reshape(v.shape).astype(v.dtype),
+          dg.reshape(g.shape).astype(g.dtype) if use_g else None,
+          dbeta_x.reshape(beta.shape).astype(beta.dtype) if beta is not None else None,
+          dh0.astype(initial_state.dtype) if initial_state is not None else None)

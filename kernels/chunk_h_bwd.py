@@ -1,0 +1,191 @@
+"""Backward of the state scan: the reverse pass over the chunks (docs/algorithm.md §13.1).
+
+The backward works on the expanded stream as Gated DeltaNet (§2.2): the query sits on the last
+copy of each token (q~, zero on the other rows) and so does the output cotangent (do~). For
+expanded chunk e of one sequence and value head, with S the state entering it, rows a, b in
+0..63, chunk-local log2 decays G (Gx), Gamma = 2^G, g_C = G of the chunk's last valid row,
+T = (I + A)^-1 and Kb = diag(beta Gamma) K (so W = T Kb):
+
+    P^T[b, a] = scale <k_b, q~_a> 2^(G_a - G_b)   for a >= b, both valid (else 0)
+    dV'  = P^T do~ + diag(2^(g_C - G)) K dS            # dS: cotangent of the state leaving e
+    dS  <- 2^g_C dS + scale (diag(Gamma) Q~)^T do~ - Kb^T (T^T dV')
+
+One program carries the [K, BV] column slice of dS in float32 registers (64-row tiles, as the
+forward scan) from the final-state cotangent (or zeros) back to the sequence start, and writes
+per chunk the dS it received (dh, the cotangent of the state leaving the chunk, read by
+chunk_o_bwd) and dV' (read by chunk_o_bwd and chunk_wy_bwd); dS at the end is the initial-state
+cotangent. An empty sequence passes dht straight to dh0.
+
+No operand of a dot is the transpose of another dot's result: Triton 3.4 to 3.7.0 miscompiles
+that pattern on Hopper (FLA #640). Transposed operands are loaded transposed from memory.
+
+Grid: (N * HV, ceil(V / BV)), as the forward scan. Parameter order: inputs, outputs, constexprs.
+"""
+import triton
+import triton.language as tl
+
+from .chunk_h import _load_tile, _row_tile, _row_tile_t, _store_state
+
+
+@triton.jit
+def _tile_update(b_dh, b_decay, p_q, p_k, row, mask_r, i_t, o_k, b_gq, b_kb, b_do, b_x,
+                 scale, H: tl.constexpr, K: tl.constexpr, USE_G: tl.constexpr,
+                 DOT_PRECISION: tl.constexpr):
+  """64-row tile i_t of dS <- decay dS + scale (Gamma Q~)^T do~ - Kb^T X, X = T^T dV'."""
+  b_qt = _row_tile_t(p_q, row, mask_r, i_t, o_k, H * K, K)
+  b_kt = _row_tile_t(p_k, row, mask_r, i_t, o_k, H * K, K)
+  b_qt = (b_qt.to(tl.float32) * b_gq[None, :]).to(b_do.dtype)
+  b_kt = (b_kt.to(tl.float32) * b_kb[None, :]).to(b_do.dtype)
+  if USE_G:
+    b_dh = b_dh * b_decay
+  b_dh += scale * tl.dot(b_qt, b_do, input_precision=DOT_PRECISION)
+  b_dh -= tl.dot(b_kt, b_x, input_precision=DOT_PRECISION)
+  return b_dh
+
+
+@triton.jit
+def chunk_h_bwd_kernel(
+    # inputs
+    q,              # [T*M, H, K] q~: (normalised) queries on each token's last copy, else 0
+    k,              # [T*M, H, K] (normalised) keys, input dtype
+    g_cum,          # [T*M, HV] float32 Gx (log2 units); a placeholder when USE_G is False
+    beta,           # [T*M, HV] float32
+    Ai,             # [T*M, HV, BT] (I + A)^-1, input dtype
+    do,             # [T*M, HV, V] do~: output cotangent on each token's last copy, else 0
+    dht,            # [N, HV, K, V] float32 final-state cotangent; placeholder unless USE_DHT
+    cu_seqlens,     # [N+1] int32 token-stream sequence starts
+    chunk_offsets,  # [N+1] int32 first row of each sequence in dh (expanded chunks)
+    scale,          # float32 query scale
+    # outputs
+    dh,             # [NXR, HV, K, V] float32 cotangent of the state leaving each chunk
+    dv,             # [T*M, HV, V] float32 dV'
+    dh0,            # [N, HV, K, V] float32 initial-state cotangent; placeholder unless USE_DH0
+    # sizes
+    H: tl.constexpr,
+    HV: tl.constexpr,
+    K: tl.constexpr,
+    V: tl.constexpr,
+    M: tl.constexpr,
+    BT: tl.constexpr,
+    BV: tl.constexpr,
+    # flags
+    USE_G: tl.constexpr,
+    USE_DHT: tl.constexpr,
+    USE_DH0: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+  i_nh, i_v = tl.program_id(0), tl.program_id(1)
+  i_n = i_nh // HV
+  i_hv = i_nh % HV
+  i_h = i_hv // (HV // H)
+  bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+  eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
+  len_x = (eos - bos) * M
+  bos_x = bos * M
+  n_x = tl.cdiv(len_x, BT)
+  c0 = tl.load(chunk_offsets + i_n).to(tl.int64)
+
+  o_k = tl.arange(0, 64)
+  o_v = i_v * BV + tl.arange(0, BV)
+  mask_v = o_v < V
+  o_a = tl.arange(0, BT)
+  b_dh1 = tl.zeros([64, BV], dtype=tl.float32)
+  b_dh2 = tl.zeros([64, BV], dtype=tl.float32)
+  b_dh3 = tl.zeros([64, BV], dtype=tl.float32)
+  b_dh4 = tl.zeros([64, BV], dtype=tl.float32)
+  if USE_DHT:
+    p_dht = dht + (i_n.to(tl.int64) * HV + i_hv) * (K * V)
+    b_dh1 = _load_tile(p_dht, 0, o_k, o_v, mask_v, K, V)
+    if K > 64:
+      b_dh2 = _load_tile(p_dht, 1, o_k, o_v, mask_v, K, V)
+    if K > 128:
+      b_dh3 = _load_tile(p_dht, 2, o_k, o_v, mask_v, K, V)
+    if K > 192:
+      b_dh4 = _load_tile(p_dht, 3, o_k, o_v, mask_v, K, V)
+
+  p_q = q + i_h * K
+  p_k = k + i_h * K
+  for i_r in range(0, n_x):
+    i_e = n_x - 1 - i_r
+    p_dh = dh + ((c0 + i_e) * HV + i_hv) * (K * V)
+    _store_state(p_dh, b_dh1, b_dh2, b_dh3, b_dh4, o_k, o_v, mask_v, K, V)
+
+    o_r = i_e * BT + o_a
+    mask_r = o_r < len_x
+    row = bos_x + o_r
+    m_rv = mask_r[:, None] & mask_v[None, :]
+    off_v = row[:, None] * (HV * V) + i_hv * V + o_v[None, :]
+    b_do = tl.load(do + off_v, mask=m_rv, other=0.).to(k.dtype.element_ty)
+    b_beta = tl.load(beta + row * HV + i_hv, mask=mask_r, other=0.)
+    if USE_G:
+      b_g = tl.load(g_cum + row * HV + i_hv, mask=mask_r, other=0.)
+      i_last = tl.minimum(i_e * BT + BT, len_x) - 1
+      b_g_last = tl.load(g_cum + (bos_x + i_last) * HV + i_hv)
+      b_gam = tl.where(mask_r, tl.exp2(b_g), 0.)
+      b_kdec = tl.where(mask_r, tl.exp2(b_g_last - b_g), 0.)
+      b_decay = tl.exp2(b_g_last)
+      # A select: above the diagonal G_a - G_b > 0 may overflow exp2 to inf.
+      m_pt = (o_a[None, :] >= o_a[:, None]) & mask_r[:, None] & mask_r[None, :]
+      b_dec = tl.where(m_pt, tl.exp2(b_g[None, :] - b_g[:, None]), 0.)
+    else:
+      b_gam = tl.where(mask_r, 1., 0.)
+      b_kdec = b_gam
+      b_decay = 1.
+      b_dec = tl.where((o_a[None, :] >= o_a[:, None]) & mask_r[:, None] & mask_r[None, :],
+                       1., 0.)
+
+    # P^T = K Q~^T (rows b, columns a), from the key tiles and the transposed query tiles.
+    b_k1 = _row_tile(p_k, row, mask_r, 0, o_k, H * K, K)
+    b_pt = tl.dot(b_k1, _row_tile_t(p_q, row, mask_r, 0, o_k, H * K, K),
+                  input_precision=DOT_PRECISION)
+    b_k2 = b_k1
+    b_k3 = b_k1
+    b_k4 = b_k1
+    if K > 64:
+      b_k2 = _row_tile(p_k, row, mask_r, 1, o_k, H * K, K)
+      b_pt += tl.dot(b_k2, _row_tile_t(p_q, row, mask_r, 1, o_k, H * K, K),
+                     input_precision=DOT_PRECISION)
+    if K > 128:
+      b_k3 = _row_tile(p_k, row, mask_r, 2, o_k, H * K, K)
+      b_pt += tl.dot(b_k3, _row_tile_t(p_q, row, mask_r, 2, o_k, H * K, K),
+                     input_precision=DOT_PRECISION)
+    if K > 192:
+      b_k4 = _row_tile(p_k, row, mask_r, 3, o_k, H * K, K)
+      b_pt += tl.dot(b_k4, _row_tile_t(p_q, row, mask_r, 3, o_k, H * K, K),
+                     input_precision=DOT_PRECISION)
+    b_pt = b_pt * b_dec * scale
+    b_dv = tl.dot(b_pt.to(b_do.dtype), b_do, input_precision=DOT_PRECISION)
+    # + diag(2^(g_C - G)) K dS, with dS rounded to the input dtype for the tensor cores.
+    b_dv += tl.dot((b_k1.to(tl.float32) * b_kdec[:, None]).to(b_do.dtype),
+                   b_dh1.to(b_do.dtype), input_precision=DOT_PRECISION)
+    if K > 64:
+      b_dv += tl.dot((b_k2.to(tl.float32) * b_kdec[:, None]).to(b_do.dtype),
+                     b_dh2.to(b_do.dtype), input_precision=DOT_PRECISION)
+    if K > 128:
+      b_dv += tl.dot((b_k3.to(tl.float32) * b_kdec[:, None]).to(b_do.dtype),
+                     b_dh3.to(b_do.dtype), input_precision=DOT_PRECISION)
+    if K > 192:
+      b_dv += tl.dot((b_k4.to(tl.float32) * b_kdec[:, None]).to(b_do.dtype),
+                     b_dh4.to(b_do.dtype), input_precision=DOT_PRECISION)
+    tl.store(dv + off_v, b_dv, mask=m_rv)
+
+    # X = T^T dV', with T^T loaded transposed: X[b] = sum_a T[a, b] dV'[a].
+    b_ait = tl.load(Ai + row[None, :] * (HV * BT) + i_hv * BT + o_a[:, None],
+                    mask=mask_r[None, :], other=0.)
+    b_x = tl.dot(b_ait, b_dv.to(b_ait.dtype), input_precision=DOT_PRECISION).to(b_do.dtype)
+    b_kb = b_beta * b_gam
+    b_dh1 = _tile_update(b_dh1, b_decay, p_q, p_k, row, mask_r, 0, o_k, b_gam, b_kb, b_do, b_x,
+                         scale, H, K, USE_G, DOT_PRECISION)
+    if K > 64:
+      b_dh2 = _tile_update(b_dh2, b_decay, p_q, p_k, row, mask_r, 1, o_k, b_gam, b_kb, b_do,
+                           b_x, scale, H, K, USE_G, DOT_PRECISION)
+    if K > 128:
+      b_dh3 = _tile_update(b_dh3, b_decay, p_q, p_k, row, mask_r, 2, o_k, b_gam, b_kb, b_do,
+                           b_x, scale, H, K, USE_G, DOT_PRECISION)
+    if K > 192:
+      b_dh4 = _tile_update(b_dh4, b_decay, p_q, p_k, row, mask_r, 3, o_k, b_gam, b_kb, b_do,
+                           b_x, scale, H, K, USE_G, DOT_PRECISION)
+
+  if USE_DH0:
+    p_dh0 = dh0 + (i_n.to(tl.int64) * HV + i_hv) * (K * V)
+    _store_state(p_dh0, b_dh1, b_dh2, b_dh3, b_dh4, o_k, o_v, mask_v, K, V)

@@ -1,0 +1,247 @@
+"""Gradients of the chunked prefill through the Triton backward kernels.
+
+Every input's gradient (q, k, v, g, beta, initial_state, with a final-state cotangent) from the
+kernels (the interpreter on a CPU, jax_triton on a GPU) is compared by relative error with
+`jax.grad` of the float64 `lax.scan` reference on the same rounded inputs. The interpreter
+allocates every kernel output as NaN, so a gradient element no kernel wrote fails the
+all-finite check; rows past cu_seqlens[N] must come back exactly zero.
+"""
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import gdp_jax
+from conftest import KERNEL_BACKEND
+from gdp_jax import reference
+from helpers import bits_equal, err_ratio
+
+pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered in exp2:RuntimeWarning")
+
+f64 = jnp.float64
+NAMES = ("q", "k", "v", "g", "beta", "initial_state")
+# Relative error of each gradient against the float64 reference, by input dtype. float32 inputs
+# take exact float32 dots in every kernel; bfloat16 rounds the operands of every product, and
+# the gradients chain three to four such products (FLA's fp16 gradient thresholds are 7e-3 to
+# 2e-2, docs/algorithm.md §10.1).
+GRAD_RTOL = {"float32": 1e-5, "bfloat16": 3e-2}
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+  B: int = 1
+  T: int = 70
+  H: int = 1
+  HV: int = 2
+  K: int = 16
+  V: int = 16
+  M: int = 2
+  dtype: str = "float32"
+  use_g: bool = True
+  use_beta: bool = True
+  l2norm: bool = False
+  init: bool = True
+  final: bool = True
+  varlen: tuple = ()
+
+  @property
+  def id(self):
+    s = f"B{self.B}-T{self.T}-H{self.H}-HV{self.HV}-K{self.K}-V{self.V}-M{self.M}-{self.dtype}"
+    s += ("" if self.use_g else "-nog") + ("" if self.use_beta else "-nobeta")
+    s += ("-l2" if self.l2norm else "") + ("" if self.init else "-noh0")
+    s += "" if self.final else "-nofinal"
+    s += f"-varlen{'_'.join(map(str, self.varlen))}" if self.varlen else ""
+    return s
+
+
+CASES = [
+    Case(),
+    Case(T=1, HV=1, M=1),
+    Case(T=43, H=2, HV=4, K=100, V=80, M=3, l2norm=True),        # K, V masks; GVA; straddles
+    Case(T=65, HV=1, M=1, use_g=False, use_beta=False, final=False),
+    Case(T=40, HV=1, K=256, V=16, M=2, init=False),                # four state tiles
+    Case(T=150, HV=2, M=2, varlen=(5, 0, 70, 1, 64), l2norm=True),  # empty sequence, slack
+    Case(T=70, K=32, V=32, M=2, dtype="bfloat16", l2norm=True),
+]
+GPU_CASES = [
+    Case(B=2, T=1000, H=4, HV=8, K=128, V=128, M=2, dtype="bfloat16", l2norm=True),
+    Case(B=2, T=1000, H=4, HV=8, K=128, V=128, M=3, dtype="float32", l2norm=True),
+    Case(B=2, T=500, H=2, HV=4, K=256, V=512, M=2, dtype="bfloat16", l2norm=True),
+    Case(B=2, T=500, H=2, HV=4, K=256, V=512, M=2, dtype="float32", l2norm=True),
+    Case(B=1, T=2000, H=4, HV=8, K=128, V=128, M=2, dtype="bfloat16", l2norm=True,
+         varlen=(700, 0, 63, 1, 1000, 130)),
+    Case(B=1, T=1500, H=2, HV=4, K=100, V=80, M=3, dtype="float32", varlen=(200, 0, 65, 1000)),
+    Case(B=2, T=300, H=2, HV=2, K=64, V=64, M=4, dtype="bfloat16", use_g=False),
+]
+
+
+def n_seqs(c):
+  return len(c.varlen) if c.varlen else c.B
+
+
+def make_inputs(c: Case, seed):
+  """(inputs by name in float64, cotangents (do, dht) in float64, keyword arguments)."""
+  rng = np.random.default_rng(seed)
+  N = n_seqs(c)
+  q = rng.standard_normal((c.B, c.T, c.H, c.K))
+  k = rng.standard_normal((c.B, c.T * c.M, c.H, c.K))
+  if not c.l2norm:  # unnormalised keys with beta near 2 blow the state up and prove nothing
+    q /= np.linalg.norm(q, axis=-1, keepdims=True)
+    k /= np.linalg.norm(k, axis=-1, keepdims=True)
+  x = dict(q=q, k=k, v=rng.standard_normal((c.B, c.T * c.M, c.HV, c.V)))
+  if c.use_g:
+    g = -rng.exponential(0.3, (c.B, c.T, c.HV))
+    g[rng.random(g.shape) < 0.1] = 0.       # exact zeros
+    x["g"] = g
+  if c.use_beta:
+    x["beta"] = rng.uniform(0.05, 1.95, (c.B, c.T * c.M, c.HV))   # negative eigenvalues too
+  if c.init:
+    x["initial_state"] = rng.standard_normal((N, c.HV, c.K, c.V))
+  kw = dict(num_householder=c.M, use_qk_l2norm_in_kernel=c.l2norm, output_final_state=c.final)
+  if c.varlen:
+    cu = np.concatenate([[0], np.cumsum(c.varlen)])
+    kw["cu_seqlens"] = jnp.asarray(cu, jnp.int32)
+  cts = (rng.standard_normal((c.B, c.T, c.HV, c.V)), rng.standard_normal((N, c.HV, c.K, c.V)))
+  return x, cts, kw
+
+
+def _cast(c, x):
+  """The inputs as the kernels take them: g and initial_state in float32, the rest in c.dtype."""
+  return {n: jnp.asarray(a, jnp.float32 if n in ("g", "initial_state") else jnp.dtype(c.dtype))
+          for n, a in x.items()}
+
+
+def _loss(fn, cts, kw, **extra):
+  do, dht = cts
+
+  def loss(x):
+    o, ht = fn(**x, **kw, **extra)
+    val = jnp.sum(o.astype(f64) * do)
+    if kw["output_final_state"]:
+      val = val + jnp.sum(ht.astype(f64) * dht)
+    return val
+
+  return loss
+
+
+def grads(c, x, cts, kw, backend):
+  return jax.grad(_loss(gdp_jax.chunk_gated_delta_product, cts, kw, backend=backend))(x)
+
+
+def check_grads(c: Case, backend, seed=0):
+  x, cts, kw = make_inputs(c, seed)
+  xk = _cast(c, x)
+  out = grads(c, xk, cts, kw, backend)
+  up = {n: a.astype(f64) for n, a in xk.items()}   # the same rounded inputs, in float64
+  ref = jax.grad(_loss(reference.chunk_gated_delta_product, cts, kw))(up)
+  tol = GRAD_RTOL[c.dtype]
+  for n in x:
+    d, r = out[n], ref[n]
+    assert d.dtype == xk[n].dtype and d.shape == xk[n].shape, f"d{n}: {d.dtype}{d.shape}"
+    d = np.asarray(d, np.float64)
+    assert np.all(np.isfinite(d)), f"d{n}: {np.sum(~np.isfinite(d))} non-finite values"
+    e = err_ratio(r, d)
+    assert e < tol, f"d{n}: ratio {e:.3e} >= {tol:.1e} (max abs diff {np.max(np.abs(r - d)):.3e})"
+  if c.varlen:
+    cu = np.asarray(kw["cu_seqlens"])
+    for n in ("q", "g"):
+      if n in x:
+        assert np.all(np.asarray(out[n])[0, cu[-1]:] == 0), f"d{n}: rows past cu_seqlens[N]"
+    for n in ("k", "v", "beta"):
+      if n in x:
+        assert np.all(np.asarray(out[n])[0, cu[-1] * c.M:] == 0), f"d{n}: rows past cu[N]"
+    for i in np.nonzero(np.diff(cu) == 0)[0]:
+      # An empty sequence passes the final-state cotangent straight through to its initial state.
+      want = cts[1][i] if c.final else 0
+      np.testing.assert_array_equal(np.asarray(out["initial_state"][i]),
+                                    np.asarray(want, np.float32))
+  return out
+
+
+@pytest.mark.parametrize("c", CASES, ids=lambda c: c.id)
+def test_prefill_grads(c):
+  check_grads(c, KERNEL_BACKEND)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("c", GPU_CASES, ids=lambda c: c.id)
+def test_prefill_grads_gpu(c):
+  check_grads(c, "triton")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_grads_deterministic_gpu(dtype):
+  c = Case(B=2, T=600, H=4, HV=8, K=128, V=128, M=2, dtype=dtype, l2norm=True)
+  x, cts, kw = make_inputs(c, 5)
+  xk = _cast(c, x)
+  f = jax.jit(lambda x: grads(c, x, cts, kw, "triton"))
+  a, b = f(xk), f(xk)
+  for n in x:
+    assert bits_equal(a[n], b[n]), f"d{n} differs between two identical runs"
+
+
+def test_value_and_grad_and_vjp_under_jit_with_traced_cu_seqlens():
+  """One compilation for every cu_seqlens of a shape, no device-to-host transfer, and vjp,
+  value_and_grad and grad agree."""
+  c = Case(T=90, HV=2, M=2, varlen=(30, 0, 50))
+  x, cts, kw = make_inputs(c, 1)
+  xk = _cast(c, x)
+  cu0 = kw.pop("cu_seqlens")
+  traces = []
+
+  def loss(x, cu):
+    traces.append(1)
+    return _loss(gdp_jax.chunk_gated_delta_product, cts, dict(kw, cu_seqlens=cu),
+                 backend=KERNEL_BACKEND)(x)
+
+  vg = jax.jit(jax.value_and_grad(loss))
+  with jax.transfer_guard_device_to_host("disallow"):
+    val, g1 = vg(xk, cu0)
+    vg(xk, jnp.asarray([0, 45, 45, 80], jnp.int32))
+  assert len(traces) == 1
+  _, pull = jax.vjp(lambda x: loss(x, cu0), xk)
+  (g2,) = pull(jnp.ones((), f64))
+  for n in x:
+    assert bits_equal(g1[n], g2[n]), n
+  assert np.isfinite(float(val))
+
+
+@pytest.mark.parametrize("what", ["state", "return_chunk_states"])
+def test_non_differentiable_arguments_say_what_is(what):
+  c = Case(T=20, init=False)
+  x, cts, kw = make_inputs(c, 3)
+  xk = _cast(c, x)
+  if what == "state":
+    kw = dict(kw, output_final_state=False, state=jnp.zeros((1, c.HV, c.K, c.V), jnp.float32),
+              state_indices=jnp.zeros((1,), jnp.int32))
+  else:
+    kw = dict(kw, return_chunk_states=True)
+
+  def loss(q):
+    out = gdp_jax.chunk_gated_delta_product(q, *(xk[n] for n in ("k", "v", "g", "beta")), **kw,
+                                            backend=KERNEL_BACKEND)
+    return jnp.sum(out[0].astype(jnp.float32))
+
+  with pytest.raises(NotImplementedError, match="q, k, v, g, beta and initial_state"):
+    jax.grad(loss)(xk["q"])
+
+
+def test_reference_gradient_matches_finite_differences():
+  """The oracle's own gradient: central differences of the float64 reference on a tiny case."""
+  c = Case(T=5, HV=2, K=4, V=3, M=2, l2norm=True)
+  x, cts, kw = make_inputs(c, 7)
+  x = {n: jnp.asarray(a, f64) for n, a in x.items()}
+  loss = _loss(reference.chunk_gated_delta_product, cts, kw)
+  g = jax.grad(loss)(x)
+  rng = np.random.default_rng(0)
+  for n in x:
+    d = jnp.asarray(rng.standard_normal(x[n].shape))   # a random direction per input
+    eps = 1e-6
+    plus = loss({**x, n: x[n] + eps * d})
+    minus = loss({**x, n: x[n] - eps * d})
+    fd = (plus - minus) / (2 * eps)
+    an = jnp.sum(g[n] * d)
+    assert abs(float(fd - an)) <= 1e-6 * max(1.0, abs(float(an))), (n, float(fd), float(an))
