@@ -25,7 +25,14 @@ from __future__ import annotations
 import math
 from typing import NamedTuple
 
-import flax.nnx as nnx
+try:
+  import flax.nnx as nnx
+except ModuleNotFoundError as e:
+  if e.name is None or e.name.split(".")[0] != "flax":
+    raise
+  raise ModuleNotFoundError(
+      "gdp_jax.flax needs Flax >= 0.12, which is not installed: pip install \"gdp-jax[flax]\" "
+      '(from a checkout: pip install -e ".[flax]")', name=e.name) from e
 import jax
 import jax.numpy as jnp
 import numpy as np
