@@ -1,18 +1,40 @@
 """Every ValueError of the public API, one check function per entry point.
 
-Checks run at trace time, on shapes and dtypes only, before any kernel is launched. A message
-names the argument, the expected shape in spec names with the numbers filled in, what arrived,
-and where useful the likely fix. Slot indices cannot be checked at trace time: the kernels treat
-any slot outside [0, S) as padding instead.
+Checks run at trace time, on shapes and dtypes, before any kernel is launched. A message names the
+argument, the expected shape in spec names with the numbers filled in, what arrived, and where
+useful the likely fix. Values (slot indices, accepted counts) are checked only when they are
+concrete: a numpy array or a jax array outside any trace (not a `jax.core.Tracer`). Under
+`jax.jit`, `vmap` or `shard_map` they are unknown at trace time and not checked; the kernels then
+treat any slot outside [0, S) as padding, and repeated slots are undefined.
+
+The dtypes each argument may have are the tuples below; any other dtype is refused with a
+ValueError that lists them.
 """
 from __future__ import annotations
 
 import dataclasses
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
 MAX_K = 256
+
+# Queries, keys, values, decays, beta, initial_state and the gate inputs of the decode prepare.
+# The kernels compute in float32 whatever the input dtype; float32 and bfloat16 are the dtypes
+# measured on the GPU, float16 runs the same 16-bit paths, float64 is the references' precision
+# (the chunked prefill kernels refuse it with NotImplementedError, the decode kernels accept it).
+INPUT_DTYPES = ("float32", "bfloat16", "float16", "float64")
+# The state cache and its draft-token snapshots: the kernels load them into float32 registers and
+# round once per call when they store them back. bfloat16 halves the state traffic (measured on
+# the H200 for decode and prefill; error in benchmarks/RESULTS.md); float64 is for the references
+# (oracles, tests). float16 is refused: no test or measurement covers a float16 cache, and
+# bfloat16 has the same size with float32's range.
+STATE_DTYPES = ("float32", "bfloat16", "float64")
+# `chunk_states_dtype` of the prefill snapshots (written from float32, never read back).
+CHUNK_STATES_DTYPES = ("float32", "bfloat16", "float16", "float64")
+# Slots, accepted counts, cu_seqlens (the kernels read them as int32).
+INDEX_DTYPES = ("int32", "int64")
 
 
 def _shape_str(names, dims):
@@ -28,14 +50,48 @@ def _expect(name, x, names, dims, note=""):
     raise ValueError(f"{name}: expected {_shape_str(names, dims)}{extra}, got {list(shape)}")
 
 
+def _dtype_in(name, x, allowed, what):
+  if x is not None and jnp.dtype(x.dtype).name not in allowed:
+    raise ValueError(f"{name}: expected {what} dtype, one of {', '.join(allowed)}; got "
+                     f"{jnp.dtype(x.dtype).name}")
+
+
 def _floating(name, x):
-  if x is not None and not jnp.issubdtype(x.dtype, jnp.floating):
-    raise ValueError(f"{name}: expected a floating dtype, got {x.dtype}")
+  _dtype_in(name, x, INPUT_DTYPES, "an input")
+
+
+def _state_dtype(name, x):
+  _dtype_in(name, x, STATE_DTYPES, "a cache")
 
 
 def _integer(name, x):
-  if x is not None and not jnp.issubdtype(x.dtype, jnp.integer):
-    raise ValueError(f"{name}: expected an integer dtype (int32), got {x.dtype}")
+  _dtype_in(name, x, INDEX_DTYPES, "an index")
+
+
+def _concrete(x):
+  """x as a host numpy array when its values are known now, else None (a jax Tracer under jit,
+  vmap or shard_map, an abstract ShapeDtypeStruct, or an array spread over other processes)."""
+  if x is None or isinstance(x, (jax.core.Tracer, jax.ShapeDtypeStruct)):
+    return None
+  if isinstance(x, jax.Array) and not x.is_fully_addressable:
+    return None
+  return np.asarray(x)
+
+
+def _unique_slots(state_indices, S):
+  """Concrete slots in [0, S) must not repeat; -1 and other slots outside [0, S) are padding."""
+  idx = _concrete(state_indices)
+  if idx is None:
+    return
+  live = np.flatnonzero((idx >= 0) & (idx < S))
+  slots, counts = np.unique(idx[live], return_counts=True)
+  if np.any(counts > 1):
+    slot = int(slots[counts > 1][0])
+    requests = np.flatnonzero(idx == slot).tolist()
+    raise ValueError(
+        f"state_indices: slot {slot} is used by requests {requests}; slots in [0, S) = [0, {S}) "
+        "must be unique within a call (-1 and other slots outside [0, S) mark padding and may "
+        "repeat)")
 
 
 def _ndim(name, x, names):
@@ -100,7 +156,7 @@ def _common_state(B, T, HV, K, V, *, scale, initial_state, cu_seqlens, state, st
     _floating("initial_state", initial_state)
   if state is not None:
     _ndim("state", state, ("S", "HV", "K", "V"))
-    _floating("state", state)
+    _state_dtype("state", state)
     S = state.shape[0]
     _expect("state", state, ("S", "HV", "K", "V"), (S, HV, K, V))
     if state_indices is None and S < N:
@@ -109,6 +165,7 @@ def _common_state(B, T, HV, K, V, *, scale, initial_state, cu_seqlens, state, st
   if state_indices is not None:
     _expect("state_indices", state_indices, ("N",), (N,))
     _integer("state_indices", state_indices)
+    _unique_slots(state_indices, state.shape[0])
   return N
 
 
@@ -131,7 +188,7 @@ def check_fused_recurrent(q, k, v, g, beta, *, scale, initial_state, cu_seqlens,
                     cu_seqlens=cu_seqlens, state=state, state_indices=state_indices)
   _positive_int("steps_per_token", steps_per_token)
   if intermediate_states is not None:
-    _floating("intermediate_states", intermediate_states)
+    _state_dtype("intermediate_states", intermediate_states)
     _ndim("intermediate_states", intermediate_states, ("S", "T // steps_per_token", "HV", "K", "V"))
     S = state.shape[0] if state is not None else intermediate_states.shape[0]
     _expect("intermediate_states", intermediate_states,
@@ -168,8 +225,14 @@ def check_prefill(q, k, v, g, beta, *, num_householder, scale, initial_state, cu
   B, T, H, K, HV, V = _expanded_stream(q, k, v, g, beta, num_householder, "B", "T", "token")
   N = _common_state(B, T, HV, K, V, scale=scale, initial_state=initial_state,
                     cu_seqlens=cu_seqlens, state=state, state_indices=state_indices)
-  if chunk_states_dtype is not None and not jnp.issubdtype(chunk_states_dtype, jnp.floating):
-    raise ValueError(f"chunk_states_dtype: expected a floating dtype, got {chunk_states_dtype}")
+  if chunk_states_dtype is not None:
+    try:
+      name = jnp.dtype(chunk_states_dtype).name
+    except TypeError:
+      name = repr(chunk_states_dtype)
+    if name not in CHUNK_STATES_DTYPES:
+      raise ValueError(f"chunk_states_dtype: expected None or one of "
+                       f"{', '.join(CHUNK_STATES_DTYPES)}; got {name}")
   return Dims(B, T, H, HV, K, V, N)
 
 
@@ -185,26 +248,37 @@ def check_gdp_decode(q, k, v, g, beta, *, num_householder, state, state_indices,
   _common_state(N, D, HV, K, V, scale=scale, initial_state=None, cu_seqlens=None, state=state,
                 state_indices=state_indices)
   if intermediate_states is not None:
-    _floating("intermediate_states", intermediate_states)
+    _state_dtype("intermediate_states", intermediate_states)
     _expect("intermediate_states", intermediate_states, ("S", "D", "HV", "K", "V"),
             (state.shape[0], D, HV, K, V))
   return Dims(N, D, H, HV, K, V, N)
 
 
 def check_accept(state, intermediate_states, state_indices, num_accepted):
-  """Checks the arguments of `accept_draft_tokens`."""
+  """Checks the arguments of `accept_draft_tokens`; values only where concrete."""
   _ndim("state", state, ("S", "HV", "K", "V"))
-  _floating("state", state)
+  _state_dtype("state", state)
   S, HV, K, V = state.shape
   _ndim("intermediate_states", intermediate_states, ("S", "D", "HV", "K", "V"))
   D = intermediate_states.shape[1]
   _expect("intermediate_states", intermediate_states, ("S", "D", "HV", "K", "V"), (S, D, HV, K, V))
-  _floating("intermediate_states", intermediate_states)
+  _state_dtype("intermediate_states", intermediate_states)
   _ndim("state_indices", state_indices, ("N",))
   _integer("state_indices", state_indices)
   N = state_indices.shape[0]
   _expect("num_accepted", num_accepted, ("N",), (N,))
   _integer("num_accepted", num_accepted)
+  _unique_slots(state_indices, S)
+  idx, n = _concrete(state_indices), _concrete(num_accepted)
+  if idx is not None and n is not None:
+    # Padding requests (slot outside [0, S)) are ignored, whatever their count.
+    bad = np.flatnonzero((idx >= 0) & (idx < S) & ((n < 1) | (n > D)))
+    if bad.size:
+      i = int(bad[0])
+      raise ValueError(
+          f"num_accepted: expected 1..D = 1..{D} for every request with a slot in [0, S), got "
+          f"{int(n[i])} for request {i} (slot {int(idx[i])}); the snapshots hold the states "
+          "after draft tokens 1..D only (a padding request, slot -1, may carry any count)")
 
 
 def check_decode_prepare(q, k, v, a, b, A_log, dt_bias, *, num_householder, allow_neg_eigval):

@@ -16,6 +16,10 @@ def fused_recurrent_gated_delta_rule(
   Per sequence and value head, with state S [K, V] in float32:
   `S *= exp(g_t); S += k_t (beta_t * (v_t - S^T k_t))^T; o_t = S^T (scale * q_t)`.
 
+  Dtypes: q, k, v, g, beta and initial_state float32, bfloat16, float16 or float64 (float64 is
+  for the reference backend); state and intermediate_states float32, bfloat16 or float64;
+  state_indices and cu_seqlens int32 or int64. Any other dtype raises ValueError.
+
   Args:
     q: queries [B, T, H, K].
     k: keys [B, T, H, K].
@@ -23,15 +27,16 @@ def fused_recurrent_gated_delta_rule(
     g: log decays [B, T, HV] (natural log, <= 0), or None for no decay.
     beta: [B, T, HV] (head-wise) or [B, T, HV, V] (element-wise), or None for 1.
     scale: query scale; None means K ** -0.5.
-    initial_state: [N, HV, K, V], any float dtype, or None for zeros.
+    initial_state: [N, HV, K, V] or None for zeros.
     output_final_state: return the final state [N, HV, K, V] float32 (without `state`).
     use_qk_l2norm_in_kernel: normalise q and k rows, x / sqrt(sum(x^2) + 1e-6), in float32.
     cu_seqlens: [N+1] int32 starts of packed sequences (B == 1), or None for N = B sequences.
       Tokens after cu_seqlens[N] get o = 0.
-    state: cache [S, HV, K, V]; sequence n reads and writes slot state_indices[n] (or n). Slots
-      must be unique within a call.
-    state_indices: [N] int32 slots; a slot outside [0, S) (-1 by convention) is padding: it reads
-      nothing, writes nothing, and its outputs are exactly 0.
+    state: cache [S, HV, K, V]; sequence n reads and writes slot state_indices[n] (or n).
+    state_indices: [N] slots; a slot outside [0, S) (-1 by convention) is padding: it reads
+      nothing, writes nothing, and its outputs are exactly 0. Slots in [0, S) must be unique
+      within a call: a repeat raises ValueError when the indices are concrete, and is undefined
+      when they are traced (under jax.jit nothing checks them).
     intermediate_states: [S, T // steps_per_token, HV, K, V] snapshots: entry [slot, i] receives
       the state after step (i + 1) * steps_per_token - 1 of the sequence.
     steps_per_token: recurrence steps per draft token (M for folded Gated Delta Product decode).
@@ -44,7 +49,8 @@ def fused_recurrent_gated_delta_rule(
     output_final_state, else None.
 
   Raises:
-    ValueError: at trace time, for shapes or dtypes that do not fit the above.
+    ValueError: at trace time, for shapes or dtypes that do not fit the above; for concrete
+      state_indices, also for a repeated slot.
   """
   dims = _checks.check_fused_recurrent(
       q, k, v, g, beta, scale=scale, initial_state=initial_state, cu_seqlens=cu_seqlens,
@@ -129,6 +135,11 @@ def gated_delta_product_decode(q, k, v, g, beta, *, num_householder, state, stat
   and runs the fused recurrent step with steps_per_token = M; matches
   `gdp_jax.reference.gated_delta_product_decode`.
 
+  Dtypes: q, k, v, g and beta float32, bfloat16, float16 or float64 (float64 is for the
+  reference backend); state and intermediate_states float32, bfloat16 or float64 (a bfloat16
+  cache halves the state traffic; the state is rounded to it once per call); state_indices int32
+  or int64. Any other dtype raises ValueError.
+
   Args:
     q: queries [N, D, H, K] (D = 1 for plain decode).
     k: keys [N, D*M, H, K]; draft token d owns rows d*M .. d*M+M-1.
@@ -137,7 +148,9 @@ def gated_delta_product_decode(q, k, v, g, beta, *, num_householder, state, stat
     beta: [N, D*M, HV], or None for 1.
     num_householder: M, the rank-1 updates per token.
     state: cache [S, HV, K, V]; request n reads and writes slot state_indices[n].
-    state_indices: [N] int32; a slot outside [0, S) (-1) is padding: no read, no write, o = 0.
+    state_indices: [N]; a slot outside [0, S) (-1) is padding: no read, no write, o = 0. Slots
+      in [0, S) must be unique: a repeat raises ValueError when the indices are concrete, and is
+      undefined when they are traced.
     intermediate_states: [S, D, HV, K, V] or None; entry [slot, d] receives the state after
       draft token d, for `accept_draft_tokens`.
     scale: query scale; None means K ** -0.5.
@@ -146,6 +159,10 @@ def gated_delta_product_decode(q, k, v, g, beta, *, num_householder, state, stat
 
   Returns:
     (o [N, D, HV, V] in v.dtype, updated state), plus the updated intermediate_states when given.
+
+  Raises:
+    ValueError: at trace time, for shapes or dtypes that do not fit the above; for concrete
+      state_indices, also for a repeated slot.
   """
   dims = _checks.check_gdp_decode(q, k, v, g, beta, num_householder=num_householder, state=state,
                                   state_indices=state_indices,
@@ -225,18 +242,29 @@ def accept_draft_tokens(state, intermediate_states, state_indices, num_accepted)
   """Rolls each slot back to the state after its last accepted draft token.
 
   `state[s] = intermediate_states[s, n - 1]` for request i with slot s = state_indices[i] and
-  n = num_accepted[i]. Slots outside [0, S) and counts outside [1, D] leave the cache untouched
-  (n = D is a no-op anyway: the decode step already wrote that state). Pure jnp: under jax.jit
-  with the cache donated, XLA scatters in place.
+  n = num_accepted[i] (n = D is a no-op: the decode step already wrote that state). Pure jnp:
+  under jax.jit with the cache donated, XLA scatters in place.
+
+  Values are checked when they are concrete (numpy arrays, or jax arrays outside any trace): a
+  slot in [0, S) used twice, or a count outside 1..D for a request with a slot in [0, S), raises
+  ValueError. Traced values (under jax.jit, vmap, shard_map) cannot be checked: there a repeated
+  slot is undefined (one of the requests' snapshots wins), and a count outside 1..D leaves that
+  slot as the decode step wrote it. Padding requests (slot outside [0, S)) change nothing, and
+  their counts are ignored.
 
   Args:
-    state: cache [S, HV, K, V].
-    intermediate_states: [S, D, HV, K, V] snapshots written by the decode step.
-    state_indices: [N] int32 slots (-1: padding).
-    num_accepted: [N] int32 accepted draft tokens per request, 1..D.
+    state: cache [S, HV, K, V], float32, bfloat16 or float64.
+    intermediate_states: [S, D, HV, K, V] snapshots written by the decode step, float32,
+      bfloat16 or float64 (cast to state.dtype).
+    state_indices: [N] int32 or int64 slots (-1: padding).
+    num_accepted: [N] int32 or int64 accepted draft tokens per request, 1..D.
 
   Returns:
     The updated cache, [S, HV, K, V] in state.dtype.
+
+  Raises:
+    ValueError: for shapes or dtypes that do not fit the above; for concrete values, a repeated
+      slot or a count outside 1..D.
   """
   _checks.check_accept(state, intermediate_states, state_indices, num_accepted)
   return _backends.call_jitted(_accept, dict(

@@ -1,6 +1,7 @@
 """Every check of API.md's "Bad input" raises ValueError at trace time, naming the argument."""
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 import gdp_jax
@@ -193,3 +194,219 @@ def test_version_is_the_installed_distributions():
   from pathlib import Path
   project = tomllib.loads((Path(__file__).parent.parent / "pyproject.toml").read_text())
   assert gdp_jax.__version__ == project["project"]["version"]
+
+
+# -------------------------------------------------------------------------------------------------
+# Dtypes: every argument has a listed set (gdp_jax._checks), anything else is refused with it.
+
+CACHE_LIST = r"one of float32, bfloat16, float64; got float16"
+INPUT_LIST = r"one of float32, bfloat16, float16, float64; got float8_e4m3fn"
+INDEX_LIST = r"one of int32, int64; got uint32"
+f16, f8 = jnp.float16, jnp.float8_e4m3fn
+
+DTYPE_BAD = [
+    (_run_prefill, dict(state=_sd(4, HV, K, V, dtype=f16)), r"state: expected a cache dtype, " + CACHE_LIST),
+    (_run_recurrent, dict(state=_sd(4, HV, K, V, dtype=f16)), r"state: expected a cache dtype, " + CACHE_LIST),
+    (_run_recurrent, dict(state=_sd(4, HV, K, V), intermediate_states=_sd(4, T, HV, K, V, dtype=f16)),
+     r"intermediate_states: expected a cache dtype, " + CACHE_LIST),
+    (_run_decode, dict(state=_sd(5, HV, K, V, dtype=f16)), r"state: expected a cache dtype, " + CACHE_LIST),
+    (_run_decode, dict(intermediate_states=_sd(5, 2, HV, K, V, dtype=f16)),
+     r"intermediate_states: expected a cache dtype, " + CACHE_LIST),
+    (_run_prefill, dict(q=_sd(B, T, H, K, dtype=f8)), r"q: expected an input dtype, " + INPUT_LIST),
+    (_run_prefill, dict(k=_sd(B, T * M, H, K, dtype=f8)), r"k: expected an input dtype, " + INPUT_LIST),
+    (_run_recurrent, dict(v=_sd(B, T, HV, V, dtype=f8)), r"v: expected an input dtype, " + INPUT_LIST),
+    (_run_recurrent, dict(g=_sd(B, T, HV, dtype=f8)), r"g: expected an input dtype, " + INPUT_LIST),
+    (_run_decode, dict(beta=_sd(3, 2 * M, HV, dtype=f8)), r"beta: expected an input dtype, " + INPUT_LIST),
+    (_run_recurrent, dict(initial_state=_sd(B, HV, K, V, dtype=f8)),
+     r"initial_state: expected an input dtype, " + INPUT_LIST),
+    (_run_decode, dict(state_indices=_sd(3, dtype=jnp.uint32)), r"state_indices: expected an index dtype, " + INDEX_LIST),
+    (_run_prefill, dict(chunk_states_dtype=f8),
+     r"chunk_states_dtype: expected None or one of float32, bfloat16, float16, float64; got float8_e4m3fn"),
+]
+
+
+@pytest.mark.parametrize("run,over,message", DTYPE_BAD, ids=[f"{r.__name__[5:]}-{m.split(':')[0]}-{i}" for i, (r, _, m) in enumerate(DTYPE_BAD)])
+def test_refused_dtype_lists_the_allowed_ones(run, over, message):
+  with pytest.raises(ValueError, match=message):
+    run(**over)
+
+
+def test_accept_refuses_dtypes_with_the_list():
+  a = dict(state=_sd(5, HV, K, V), intermediate_states=_sd(5, 2, HV, K, V),
+           state_indices=_sd(3, dtype=jnp.int32), num_accepted=_sd(3, dtype=jnp.int32))
+  for over, message in [(dict(state=_sd(5, HV, K, V, dtype=f16)), r"state: expected a cache dtype, " + CACHE_LIST),
+                        (dict(intermediate_states=_sd(5, 2, HV, K, V, dtype=f16)),
+                         r"intermediate_states: expected a cache dtype, " + CACHE_LIST),
+                        (dict(num_accepted=_sd(3, dtype=jnp.uint32)), r"num_accepted: expected an index dtype, " + INDEX_LIST)]:
+    with pytest.raises(ValueError, match=message):
+      jax.eval_shape(lambda a: gdp_jax.accept_draft_tokens(**a), dict(a, **over))
+
+
+@pytest.mark.parametrize("cache", ["float32", "bfloat16", "float64"])
+@pytest.mark.parametrize("inputs", ["float32", "bfloat16", "float16", "float64"])
+def test_every_listed_dtype_passes_the_checks(cache, inputs):
+  cast = lambda a: {n: (_sd(*x.shape, dtype=inputs) if isinstance(x, jax.ShapeDtypeStruct)
+                        and x.dtype == f32 else x) for n, x in a.items()}
+  _run_prefill(**cast(prefill_args()), state=_sd(4, HV, K, V, dtype=cache),
+               state_indices=_sd(B, dtype=jnp.int64), chunk_states_dtype=jnp.dtype(inputs))
+  _run_recurrent(**cast(recurrent_args()), initial_state=_sd(B, HV, K, V, dtype=inputs))
+  _run_decode(**dict(cast(decode_args()), state=_sd(5, HV, K, V, dtype=cache),
+                     intermediate_states=_sd(5, 2, HV, K, V, dtype=cache)))
+
+
+# -------------------------------------------------------------------------------------------------
+# Values, checked when concrete: unique slots in [0, S), num_accepted in 1..D.
+
+S_SLOTS, D_DRAFT = 5, 2
+
+
+def _concrete_decode(slots):
+  a = {n: jnp.zeros(s.shape, s.dtype) for n, s in decode_args().items()}
+  a["state_indices"] = jnp.asarray(slots, jnp.int32)
+  return a
+
+
+def _concrete_accept(slots, counts):
+  return dict(state=jnp.zeros((S_SLOTS, HV, K, V), f32),
+              intermediate_states=jnp.ones((S_SLOTS, D_DRAFT, HV, K, V), f32),
+              state_indices=jnp.asarray(slots, jnp.int32), num_accepted=jnp.asarray(counts, jnp.int32))
+
+
+DUPLICATE = r"state_indices: slot 2 is used by requests \[0, 2\]; slots in \[0, S\) = \[0, 5\) must be unique"
+
+
+def test_decode_refuses_repeated_slot():
+  with pytest.raises(ValueError, match=DUPLICATE):
+    gdp_jax.gated_delta_product_decode(**_concrete_decode([2, 0, 2]), num_householder=M,
+                                       backend="reference")
+
+
+def test_decode_refuses_repeated_slot_given_as_numpy():
+  a = _concrete_decode([2, 0, 2])
+  a["state_indices"] = np.asarray([2, 0, 2], np.int64)
+  with pytest.raises(ValueError, match=DUPLICATE):
+    gdp_jax.gated_delta_product_decode(**a, num_householder=M, backend="reference")
+
+
+def test_recurrent_refuses_repeated_slot():
+  a = {n: jnp.zeros(s.shape, s.dtype) for n, s in recurrent_args(
+      q=_sd(3, T, H, K), k=_sd(3, T, H, K), v=_sd(3, T, HV, V), g=_sd(3, T, HV), beta=_sd(3, T, HV)).items()}
+  with pytest.raises(ValueError, match=DUPLICATE):
+    gdp_jax.fused_recurrent_gated_delta_rule(**a, state=jnp.zeros((5, HV, K, V), f32),
+                                             state_indices=jnp.asarray([2, 4, 2], jnp.int32),
+                                             backend="reference")
+
+
+def test_prefill_refuses_repeated_slot():
+  a = {n: jnp.zeros(s.shape, s.dtype) for n, s in prefill_args().items()}
+  with pytest.raises(ValueError, match=DUPLICATE):
+    gdp_jax.chunk_gated_delta_product(**a, num_householder=M, cu_seqlens=jnp.asarray([0, 3, 5, 8], jnp.int32),
+                                      state=jnp.zeros((5, HV, K, V), f32),
+                                      state_indices=jnp.asarray([2, 1, 2], jnp.int32), backend="reference")
+
+
+def test_accept_refuses_repeated_slot():
+  with pytest.raises(ValueError, match=DUPLICATE):
+    gdp_jax.accept_draft_tokens(**_concrete_accept([2, 0, 2], [1, 1, 1]))
+
+
+def test_padding_slots_may_repeat():
+  # -1 and slots past S are padding: they may repeat, and they change nothing.
+  slots = [-1, 3, -1, 5, 9, 5]
+  N = len(slots)
+  a = {n: jnp.zeros((N,) + s.shape[1:], s.dtype) for n, s in decode_args().items() if n != "state"}
+  a["state_indices"] = jnp.asarray(slots, jnp.int32)
+  o, cache = gdp_jax.gated_delta_product_decode(**a, state=jnp.zeros((S_SLOTS, HV, K, V), f32),
+                                                num_householder=M, backend="reference")
+  assert cache.shape == (S_SLOTS, HV, K, V)
+  cache = gdp_jax.accept_draft_tokens(**_concrete_accept(slots, [1, 2, 0, 7, -1, 1]))
+  assert np.all(np.asarray(cache)[np.arange(S_SLOTS) != 3] == 0)   # padding wrote nothing
+  assert np.all(np.asarray(cache)[3] == 1)
+
+
+@pytest.mark.parametrize("count", [0, -1, D_DRAFT + 3])
+def test_accept_refuses_count_outside_one_to_D(count):
+  with pytest.raises(ValueError, match=(
+      rf"num_accepted: expected 1..D = 1..{D_DRAFT} for every request with a slot in \[0, S\), "
+      rf"got {count} for request 1 \(slot 4\)")):
+    gdp_jax.accept_draft_tokens(**_concrete_accept([0, 4, -1], [1, count, 1]))
+
+
+def test_accept_counts_one_to_D_pass():
+  cache = gdp_jax.accept_draft_tokens(**_concrete_accept([0, 4, -1], [1, D_DRAFT, 0]))
+  assert np.all(np.asarray(cache)[[0, 4]] == 1)
+
+
+def test_traced_values_are_not_checked():
+  # Under jax.jit the values are unknown at trace time: the same calls trace (and are
+  # documented as undefined for repeated slots, and as a no-op for counts outside 1..D).
+  dec = _concrete_decode([2, 0, 2])
+  jax.jit(lambda a: gdp_jax.gated_delta_product_decode(**a, num_householder=M,
+                                                       backend="reference")).lower(dec)
+  acc = _concrete_accept([2, 0, 2], [0, -1, D_DRAFT + 3])
+  jax.jit(lambda a: gdp_jax.accept_draft_tokens(**a)).lower(acc)
+  out = jax.jit(lambda a: gdp_jax.accept_draft_tokens(**a))(_concrete_accept([1, 0], [0, D_DRAFT + 3]))
+  assert np.all(np.asarray(out) == 0), "a count outside 1..D should leave the slot untouched"
+  jax.eval_shape(lambda a: gdp_jax.accept_draft_tokens(**a), acc)
+
+
+# -------------------------------------------------------------------------------------------------
+# Versions: the GPU path warns once on a combination other than the one the GPU suite passed with.
+
+def _fake_versions(monkeypatch, python, **dists):
+  from gdp_jax import _versions
+  monkeypatch.setattr(_versions, "_WARNED", False)
+  monkeypatch.setattr(_versions, "_python_version", lambda: python)
+  monkeypatch.setattr(_versions, "_dist_version", lambda name: dists.get(name.replace("-", "_")))
+  return _versions
+
+
+TESTED_KW = dict(jax="0.11.2", jaxlib="0.11.2", jax_cuda13_plugin="0.11.2", triton="3.6.0",
+                 jax_triton="0.3.1")
+
+
+def test_untested_versions_warn_once(monkeypatch):
+  v = _fake_versions(monkeypatch, "3.11", **dict(TESTED_KW, jax="0.10.2", jaxlib="0.10.2",
+                                                 jax_triton=None))
+  with pytest.warns(gdp_jax.UntestedVersionsWarning) as record:
+    assert v.warn_if_untested()
+    assert not v.warn_if_untested()
+  assert len(record) == 1
+  msg = str(record[0].message)
+  assert ("passed its test suite with Python 3.12, jax 0.11.2, jaxlib 0.11.2, "
+          "jax-cuda13-plugin 0.11.2, triton 3.6.0, jax-triton 0.3.1;") in msg
+  assert ("found Python 3.11, jax 0.10.2, jaxlib 0.10.2, jax-cuda13-plugin 0.11.2, "
+          "triton 3.6.0, jax-triton (not installed)") in msg
+  assert "differs: Python, jax, jaxlib, jax-triton" in msg
+  assert 'pip install "gdp-jax[gpu]"' in msg
+
+
+def test_tested_versions_do_not_warn(monkeypatch):
+  import warnings
+  v = _fake_versions(monkeypatch, "3.12", **TESTED_KW)
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    assert not v.warn_if_untested()
+
+
+def test_gpu_extra_pins_the_tested_versions():
+  import tomllib
+  from pathlib import Path
+  from gdp_jax import _versions
+  project = tomllib.loads((Path(__file__).parent.parent / "pyproject.toml").read_text())
+  gpu = project["project"]["optional-dependencies"]["gpu"]
+  t = _versions.TESTED
+  assert f"jax[cuda13]=={t['jax']}; python_version >= '{t['Python']}'" in gpu
+  assert f"triton=={t['triton']}" in gpu and f"jax-triton=={t['jax-triton']}" in gpu
+
+
+# -------------------------------------------------------------------------------------------------
+# A missing optional dependency names the extra that installs it.
+
+def test_missing_flax_names_the_extra(monkeypatch):
+  import sys
+  monkeypatch.delitem(sys.modules, "gdp_jax.flax", raising=False)
+  for name in ("flax", "flax.nnx"):   # "import flax.nnx" now fails as if flax were not installed
+    monkeypatch.setitem(sys.modules, name, None)
+  with pytest.raises(ModuleNotFoundError, match=r'gdp_jax.flax needs Flax >= 0.12, which is not installed: pip install "gdp-jax\[flax\]"'):
+    import gdp_jax.flax  # noqa: F401
