@@ -27,7 +27,7 @@ MAX_K = 256
 INPUT_DTYPES = ("float32", "bfloat16", "float16", "float64")
 # The state cache and its draft-token snapshots: the kernels load them into float32 registers and
 # round once per call when they store them back. bfloat16 halves the state traffic (measured on
-# the H200 for decode and prefill; error in benchmarks/RESULTS.md); float64 is for the references
+# the H200 for decode and prefill; error in benchmarks/RESULTS.md and docs/performance.md); float64 is for the references
 # (oracles, tests). float16 is refused: no test or measurement covers a float16 cache, and
 # bfloat16 has the same size with float32's range.
 STATE_DTYPES = ("float32", "bfloat16", "float64")

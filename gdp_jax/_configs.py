@@ -2,7 +2,7 @@
 
 Configs are pinned, never autotuned: jax-triton compiles every autotune candidate at lowering,
 and a different block size changes the summation order, so repeat runs would not be bitwise
-equal (ALGORITHM.md §10.4). Tuned numbers come from benchmarks/ (see RESULTS.md).
+equal (docs/algorithm.md §10.4). Tuned numbers come from benchmarks/ (see docs/performance.md).
 """
 from __future__ import annotations
 
@@ -33,7 +33,7 @@ GDP_DECODE_KERNEL = "fold"
 def decode_config(N: int, HV: int, K: int, V: int) -> DecodeConfig:
   """The fused recurrent step: one program per (V-block, sequence, value head).
 
-  The whole key dimension sits in one [BK, BV] float32 tile. Measured on the H200 (RESULTS.md,
+  The whole key dimension sits in one [BK, BV] float32 tile. Measured on the H200 (docs/performance.md,
   sweep of BV in {8, 16, 32, 64} x warps in {1, 2, 4, 8} at K = V = 128): one warp per program
   wins at every batch, because the step is two reductions over K per token and a single warp
   does them with shuffles, no shared-memory round trip; BV = 16 (64 state registers per thread)

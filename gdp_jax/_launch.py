@@ -23,7 +23,8 @@ Every quirk of jax-triton 0.3.1 lives here and nowhere else:
   Newer jaxlibs also register `triton_kernel_call_ffi`, the same serialized kernel call as an
   FFI attribute, which can be captured. With GDP_TRITON_CALL_TARGET=ffi in the environment
   (read at the first launch) our kernels lower to that target instead (0.4 does this itself).
-  Opt-in: not yet measured on the GPU (benchmarks/NOTES.md).
+  Opt-in. Measured on an H200 (2026-11-30) it changed nothing: 9.4 us per decode step at N = 1
+  with either target, 8.7 us with XLA command buffers (docs/performance.md).
 """
 from __future__ import annotations
 

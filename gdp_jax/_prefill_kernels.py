@@ -1,4 +1,4 @@
-"""Launches the chunked prefill kernels (ALGORITHM.md §4, §5, §7) and packages their results.
+"""Launches the chunked prefill kernels (docs/algorithm.md §4, §5, §7) and packages their results.
 
 `_chunk_gated_delta_product_fwd` is called by `gdp_jax.prefill.chunk_gated_delta_product` for
 the "triton" and "interpret" backends, after the inputs were checked and the defaults filled.
@@ -43,10 +43,10 @@ BT = 64
 @dataclasses.dataclass(frozen=True)
 class _PrefillConfig:
   """Block sizes and warps. Pinned, not autotuned: BK and BV set the summation order, and
-  repeat runs must be bitwise equal (ALGORITHM.md §10.4).
+  repeat runs must be bitwise equal (docs/algorithm.md §10.4).
 
   The values are the winners of `benchmarks/prefill_stages.py --sweep` on the H200
-  (2026-11-30, benchmarks/RESULTS.md) at B=4 T=2048 H=16 K=V=128 M=2, B=8 T=4096 H=32 and
+  (2026-11-30, docs/performance.md) at B=4 T=2048 H=16 K=V=128 M=2, B=8 T=4096 H=32 and
   B=4 T=2048 H=6 K=256 V=512. One set won or came within 5% of the best at all three, so there
   is one table row, with the scan's BV keyed by the shape (by how many programs the scan has,
   _h_block_v); stage 4 runs inside the scan at every measured shape (_wy_in_scan). Every config
@@ -61,10 +61,10 @@ class _PrefillConfig:
   # B=8 H=32.
   solve_warps: int = 1
   # Its off-diagonal 16x16 products on 16-bit inputs: "tf32x3" (tensor cores, three TF32
-  # products per float32 product: float32-level accuracy, as ALGORITHM.md 4.5 asks), "ieee"
+  # products per float32 product: float32-level accuracy, as docs/algorithm.md 4.5 asks), "ieee"
   # (float32 on the CUDA cores) or "tf32" (one TF32 product: faster, 2.7e-4 relative change of
-  # the bf16-stored Ai). Float32 inputs always take "ieee". H200 (stage sweep, 2026-11-30 session
-  # 5): 0.702 / 0.786 / 0.531 ms at B=8 T=4096 H=32 and 0.100 / 0.114 / 0.079 ms at B=1 T=8192;
+  # the bf16-stored Ai). Float32 inputs always take "ieee". H200 (stage sweep, 2026-11-30):
+  # 0.702 / 0.786 / 0.531 ms at B=8 T=4096 H=32 and 0.100 / 0.114 / 0.079 ms at B=1 T=8192;
   # ptxas: tf32x3 at one warp has no spills where ieee spills 840 B.
   solve_precision: str = "tf32x3"
   # Stage 4 when it runs as its own kernel (_wy_in_scan): one 64x64 Ai block times 128-wide
@@ -77,7 +77,7 @@ class _PrefillConfig:
   # 0.41 against 0.63 ms at K=256. BV 64 when the state fits (K up to 128: two 64x64 float32
   # tiles) unless N*HV*ceil(V/64) programs would leave most SMs idle (a long sequence with few
   # heads: there narrower blocks, i.e. more programs, finish the sequential chain sooner: BV 16
-  # 0.274, 32 0.340, 64 0.425 ms at B=1 T=8192 H=16, session 5); 32 for K > 128 (four tiles).
+  # 0.274, 32 0.340, 64 0.425 ms at B=1 T=8192 H=16, 2026-11-30); 32 for K > 128 (four tiles).
   h_bv_wide: int = 64
   h_bv_narrow: int = 16
   h_bv_big_k: int = 32
@@ -94,7 +94,7 @@ class _PrefillConfig:
   # Stage 6: 64 x 128 output tiles, K in 128-wide slices, 4 warps: 0.091 against 0.17 ms
   # (8 warps, 64 x 64, BK 64) at B=4 H=16, 0.68 against 1.48 ms at B=8 H=32. Fusing it into
   # the scan (no h, v_new round trip) was built and measured, then removed: 1.9x to 3.8x
-  # slower at every K=128 row, as it lengthens each scan program's sequential chain (RESULTS.md).
+  # slower at every K=128 row, as it lengthens each scan program's sequential chain (docs/performance.md).
   o_bk: int = 128
   o_bv: int = 128
   o_warps: int = 4
@@ -125,11 +125,11 @@ def _h_block_v(cfg: _PrefillConfig, N: int, HV: int, K: int, V: int) -> int:
 def _wy_in_scan(cfg: _PrefillConfig, N: int, HV: int, V: int) -> bool:
   """Stage 4 inside the scan (chunk_h's FUSE_WY) saves writing w and u and reading them back,
   and lengthens every chunk of the scan's chain by a third product. H200, whole prefill with
-  fla-core's CUDA-graph time beside it, session 7: 0.437 -> 0.413 ms at B=4 T=2048 H=16, 0.625
-  -> 0.574 at M=3, 3.548 -> 2.752 at B=8 T=4096 H=32, K=256 V=512 0.821 -> 0.776; session 8
-  (the scan's beta in float32, see _scan): B=1 T=8192 H=16, 128 programs of 256 chunks each,
-  where the chain sets the pace, 0.618 -> 0.558 (it lost there, 0.621 -> 0.675, while a bf16
-  beta load stalled each chunk), K=256 0.776 -> 0.700."""
+  fla-core's CUDA-graph time beside it (2026-11-30, docs/performance.md): 0.437 -> 0.413 ms at
+  B=4 T=2048 H=16, 0.625 -> 0.574 at M=3, 3.548 -> 2.752 at B=8 T=4096 H=32, K=256 V=512 0.821
+  -> 0.776; then, with the scan's beta in float32 (see _scan): B=1 T=8192 H=16, 128 programs of
+  256 chunks each, where the chain sets the pace, 0.618 -> 0.558 (it lost there, 0.621 ->
+  0.675, while a bf16 beta load stalled each chunk), K=256 0.776 -> 0.700."""
   return _wide_scan_programs(cfg, N, HV, V) >= cfg.wy_scan_min_programs
 
 
@@ -254,7 +254,7 @@ def _scan(k, w, u, gx, cu, offsets, n_rows, *, M, h0, state_indices, final_kind,
     # float32: each chunk's per-row beta load sits in the scan's sequential chain, and Triton
     # pipelines it (cp.async, 4 bytes or more per row) only in float32; a bf16 beta is loaded
     # where it is used, a global-memory latency per chunk (B=1 T=8192, 256 chunks: scan 0.453
-    # against 0.319 ms with float32 beta, H200 session 8).
+    # against 0.319 ms with float32 beta, H200, 2026-11-30).
     beta = beta.astype(jnp.float32)
   else:
     v, beta, Ai = ph(), ph(), ph()
@@ -350,7 +350,7 @@ def _chunk_gated_delta_product_fwd(
   HV, V = v.shape[2], v.shape[3]
   dtype = k.dtype
   out_dtype = v.dtype
-  # Every dot takes two operands of one dtype: the input dtype is k's (ALGORITHM.md §4.9).
+  # Every dot takes two operands of one dtype: the input dtype is k's (docs/algorithm.md §4.9).
   q = q.astype(dtype)
   v = v.astype(dtype)
 

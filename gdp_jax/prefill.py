@@ -15,7 +15,7 @@ def chunk_gated_delta_product(
   Per sequence and value head, with state S [K, V] in float32, for each token t:
   `S *= exp(g_t)`, then for j in 0..M-1 with row r = t*M + j:
   `S += k_r (beta_r * (v_r - S^T k_r))^T`, then `o_t = S^T (scale * q_t)`.
-  The kernels run it in 64-row chunks (WY form), ALGORITHM.md §4.
+  The kernels run it in 64-row chunks (WY form), docs/algorithm.md §4.
 
   Args:
     q: queries [B, T, H, K].

@@ -1,4 +1,4 @@
-"""Decode prepare: gating and the Householder fold as one Triton launch (ALGORITHM.md §6.2, §8).
+"""Decode prepare: gating and the Householder fold as one Triton launch (docs/algorithm.md §6.2, §8).
 
 Between the short convolution and the recurrence a Gated Delta Product layer only gates and
 reshapes. `gated_delta_product_decode_prepare` does all of it for a decode step in one kernel,

@@ -14,7 +14,7 @@ def l2norm_rows(x):
 
 @triton.jit
 def chunk_span(chunk_desc, cu_seqlens, i_d, M: tl.constexpr, BT: tl.constexpr):
-  """Descriptor i_d of a chunked stream with M rows per token (ALGORITHM.md §5.3).
+  """Descriptor i_d of a chunked stream with M rows per token (docs/algorithm.md §5.3).
 
   Returns (i_n, row0, n): the sequence (negative for a padding descriptor, whose program should
   return at once), the chunk's first row on the stream as an int64 (row * stride overflows int32
@@ -33,7 +33,7 @@ def chunk_span(chunk_desc, cu_seqlens, i_d, M: tl.constexpr, BT: tl.constexpr):
 def chunk_decays(g, row0, n, i_hv, HV: tl.constexpr, M: tl.constexpr, BT: tl.constexpr):
   """Stage 1 for one chunk of a stream with M rows per token and one value head: the chunk-local
   inclusive cumsum of g~[r] = g[r // M] on each token's first copy (0 on the others), in log2
-  units (ALGORITHM.md §4.3); chunk_kkt (expanded stream) and chunk_o (token stream) call it. g
+  units (docs/algorithm.md §4.3); chunk_kkt (expanded stream) and chunk_o (token stream) call it. g
   is the [T, HV] float32 token stream; row0 and n as chunk_span returns them. Rows at or past n hold
   the chunk's total; callers mask them."""
   o_r = tl.arange(0, BT)

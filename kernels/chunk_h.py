@@ -3,7 +3,7 @@
 One program carries the [K, BV] column slice of the state S of one sequence and one value head
 in float32 registers, as up to four 64 x BV tiles (tiles past ceil(K/64) are compiled out; this
 layout is why K <= 256), and sweeps the sequence's NX expanded chunks in order
-(ALGORITHM.md §4.7):
+(docs/algorithm.md §4.7):
 
     S = S0 slice (zeros without an initial state, or for a padding slot)
     for e in 0..NX-1:
@@ -14,7 +14,7 @@ layout is why K <= 256), and sweeps the sequence's NX expanded chunks in order
     final state = S
 
 With FUSE_WY the program forms D from stage 4's definitions instead of reading w and u
-(ALGORITHM.md §4.6: w S = Ai diag(beta 2^Gx rk) K S, one [64, K] x [K, BV] product with the
+(docs/algorithm.md §4.6: w S = Ai diag(beta 2^Gx rk) K S, one [64, K] x [K, BV] product with the
 keys in place of the one with w), the key tiles loaded once for K S and K^T D:
 
         D = Ai @ (diag(beta) V[rows] - diag(beta 2^Gx rk) (K[rows] @ S))

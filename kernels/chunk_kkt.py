@@ -1,6 +1,6 @@
 """Stage 2 of the chunked prefill: A = strictly-lower(beta * K K^T * decay) per expanded chunk.
 
-For expanded chunk rows a, b in 0..63 of one sequence and one value head hv (ALGORITHM.md §4.4):
+For expanded chunk rows a, b in 0..63 of one sequence and one value head hv (docs/algorithm.md §4.4):
 
     A[a, b] = beta_a * <k_a, k_b> * 2^(Gx_a - Gx_b)   if a > b and both rows lie in the sequence
             = 0                                         otherwise (diagonal included).
@@ -19,7 +19,7 @@ sequence anyway, so it computes rk and stores it for stages 4 to 6 (one writer p
 the first of its value heads), instead of a separate pass over k. |k_a|^2 is read off the
 diagonal of the unscaled K K^T (exact products, float32 sums), not summed from the key tiles:
 a tile that feeds a Hopper tensor-core dot and a register reduction in the same pipelined
-K loop came out wrong on the H200 (bfloat16, K = 256: two slices; benchmarks/NOTES.md).
+K loop came out wrong on the H200 (bfloat16, K = 256: two slices; docs/algorithm.md §4.2).
 
 Grid: (number of expanded-chunk descriptors, HV). Program (i_d, i_hv) owns the 64x64 block of
 descriptor i_d and value head i_hv; a padding descriptor (sequence -1) returns at once.

@@ -1,7 +1,7 @@
 """Stage 6 of the chunked prefill: the output, on the token stream.
 
 For token chunk c of a sequence (n <= 64 valid tokens), value head hv and a block of BV value
-columns (ALGORITHM.md §4.8), with Q the chunk's queries, S_c = h[chunk row] the state entering
+columns (docs/algorithm.md §4.8), with Q the chunk's queries, S_c = h[chunk row] the state entering
 the chunk (cast to the input dtype in registers), Gu the token-stream cumulative decays, and
 K_j, D_j the rows t*M + j of k and v_new for the chunk's tokens t (row stride M*H*K and M*HV*V):
 
@@ -18,7 +18,7 @@ With USE_RNORM, q and k are L2-normalised (§4.2) by float32 row factors applied
 dots: the key factors rk come from stage 2; the query factors are computed here (q is read by
 no other stage), in a loop of their own: a q tile that feeds a Hopper tensor-core dot and a
 register reduction in the same pipelined K loop came out wrong on the H200 (bfloat16, K = 256;
-benchmarks/NOTES.md).
+docs/algorithm.md §4.2).
 
 Rows past the sequence end are neither loaded nor stored. With state indices, a sequence whose
 slot is outside [0, S) is padding and its output rows are written as zeros, without reading

@@ -1,7 +1,7 @@
 """Stage 3 of the chunked prefill: Ai = (I + A)^-1 for each 64x64 expanded-chunk block of A.
 
 I + A is unit lower triangular, and so is its inverse X. Both are split into a 4x4 grid of
-16x16 blocks (ALGORITHM.md §4.5):
+16x16 blocks (docs/algorithm.md §4.5):
 
 1. Diagonal blocks by forward substitution (vector work): X_pp = I + L_p with L_p strictly
    lower; starting from L_p = -strict_lower(A_pp), row i becomes a_i + a_i @ L_p for
@@ -9,7 +9,7 @@ I + A is unit lower triangular, and so is its inverse X. Both are split into a 4
    again from A (an L1 hit) rather than picked out of the register tile, which would take a
    second cross-thread reduction per row. The four blocks are independent and advance
    together (four dependency chains in flight); the loop stops at the chunk's valid rows.
-2. Off-diagonal blocks column by column, each column top down (ALGORITHM.md lists them by
+2. Off-diagonal blocks column by column, each column top down (docs/algorithm.md lists them by
    distance from the diagonal; any order in which every X_mq is final before it is used takes
    the same products, and this one keeps fewer tiles live, see below):
    X_pq = -X_pp @ sum_{m=q}^{p-1} A_pm @ X_mq, with float32 operands at DOT_PRECISION: "ieee"

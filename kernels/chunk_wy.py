@@ -1,6 +1,6 @@
 """Stage 4 of the chunked prefill: the WY factors w and u of each expanded chunk.
 
-With Ai = (I + A)^-1 the 64x64 block of stage 3 (ALGORITHM.md §4.6):
+With Ai = (I + A)^-1 the 64x64 block of stage 3 (docs/algorithm.md §4.6):
 
     u = Ai @ (beta[:, None] * V_chunk)                    [64, V]
     w = Ai @ (beta[:, None] * 2^Gx[:, None] * K_chunk)     [64, K]

@@ -1,4 +1,4 @@
-"""Decode prepare: gating and the Householder fold in one launch (ALGORITHM.md §6.2, §8).
+"""Decode prepare: gating and the Householder fold in one launch (docs/algorithm.md §6.2, §8).
 
 From the per-token activations after the short conv to the folded stream the decode kernel
 (`fused_recurrent` with STEPS_PER_TOKEN = M) reads. For request n, draft token d and copy
@@ -11,7 +11,7 @@ m in 0..M-1, expanded row r = d*M + m:
     sigmoid(x)   = 1 / (1 + exp(-x))
 
 The query reads the state after a token's last copy and the decay acts once, before its first
-(API.md). k and v need nothing: the expanded stream already is the folded layout, and the
+(docs/api.md). k and v need nothing: the expanded stream already is the folded layout, and the
 kernels are GVA-native, so q and k are never repeated to HV heads. Gates are float32 whatever
 the input dtype; q is copied bit for bit (loaded and stored in q's dtype, no conversion).
 

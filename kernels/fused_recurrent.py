@@ -1,4 +1,4 @@
-"""The decode step: gated delta rule, walked token by token (ALGORITHM.md §6.1).
+"""The decode step: gated delta rule, walked token by token (docs/algorithm.md §6.1).
 
 Per (sequence n, value head hv), starting from S = initial state, cache slot, or zeros:
 

@@ -28,7 +28,9 @@ SM90_MAX_SHARED = 232448
 CASES = [("prefill", "bfloat16", 256, 512, 2), ("prefill", "float32", 256, 512, 2),
          ("prefill", "bfloat16", 128, 128, 2), ("prefill", "bfloat16", 128, 128, 16),
          ("prefill", "float32", 128, 128, 16),
-         ("decode", "bfloat16", 256, 512, 4), ("decode", "float32", 256, 512, 4)]
+         ("decode", "bfloat16", 256, 512, 4), ("decode", "float32", 256, 512, 4),
+         ("train", "bfloat16", 256, 512, 2), ("train", "float32", 256, 512, 2),
+         ("train", "bfloat16", 128, 128, 16), ("train", "float32", 128, 128, 16)]
 
 
 def _record_launches(what, dtype, K, V, N):
@@ -62,6 +64,18 @@ def _record_launches(what, dtype, K, V, N):
           q, k, v, g, beta, num_householder=M, cu_seqlens=cu, state=state, state_indices=idx,
           return_chunk_states=True, chunk_states_dtype=snap,
           use_qk_l2norm_in_kernel=True, backend="triton")
+  elif what == "train":
+    T = 300
+    args = (sds((N, T, H, K), dt), sds((N, T * M, H, K), dt), sds((N, T * M, HV, V), dt),
+            sds((N, T, HV), f32), sds((N, T * M, HV), dt), sds((N, HV, K, V), f32))
+
+    def loss(q, k, v, g, beta, h0):
+      o, ht = gdp_jax.chunk_gated_delta_product(
+          q, k, v, g, beta, num_householder=M, initial_state=h0, output_final_state=True,
+          use_qk_l2norm_in_kernel=True, backend="triton")
+      return jnp.sum(o.astype(f32)) + jnp.sum(ht)
+
+    run = jax.grad(loss, argnums=tuple(range(6)))
   else:
     D = 3
     args = (sds((N, D, H, K), dt), sds((N, D * M, H, K), dt), sds((N, D * M, HV, V), dt),
@@ -119,6 +133,7 @@ def main():
   # reads its w and u), which no shape picks by default (_wy_in_scan).
   other = dataclasses.replace(default, wy_scan_min_programs=1 << 30)
   runs = [(c, default) for c in CASES] + [(c, other) for c in CASES if c[0] == "prefill"]
+  verbose = os.environ.get("GDP_SM90_REPORT") == "1"  # print registers and spills too
   for case, cfg in runs:
     pk.CONFIG = cfg
     for fn, args, out_shape, warps, stages, constexprs in _record_launches(*case):
@@ -132,6 +147,9 @@ def main():
                               options=dict(num_warps=warps, num_stages=stages))
       report.append(dict(case=list(case), kernel=fn.__name__, num_warps=warps,
                          num_stages=stages, shared=kernel.metadata.shared))
+      if verbose:
+        print(case, fn.__name__, warps, stages, "shared", kernel.metadata.shared,
+              file=sys.stderr)
   print(json.dumps(report))
 
 
@@ -145,7 +163,8 @@ def test_every_launch_fits_sm90_shared_memory():
   kernels = {r["kernel"] for r in report}
   # Every kernel of both paths was traced and compiled.
   assert {"chunk_kkt_fwd_kernel", "chunk_solve_fwd_kernel",
-          "chunk_wy_fwd_kernel", "chunk_h_fwd_kernel", "chunk_o_fwd_kernel"} <= kernels, kernels
+          "chunk_wy_fwd_kernel", "chunk_h_fwd_kernel", "chunk_o_fwd_kernel",
+          "chunk_h_bwd_kernel", "chunk_o_bwd_kernel", "chunk_wy_bwd_kernel"} <= kernels, kernels
   assert any("decode" in k or "recurrent" in k for k in kernels), kernels
   over = [r for r in report if r["shared"] > SM90_MAX_SHARED]
   assert not over, f"over the {SM90_MAX_SHARED} bytes of an sm_90 block: {over}"

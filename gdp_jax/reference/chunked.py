@@ -1,6 +1,6 @@
 """Chunked (WY) reference of the Gated Delta Product prefill, and the chunk descriptor helpers.
 
-The prefill runs Gated DeltaNet on the Householder-expanded stream (ALGORITHM.md §4): per
+The prefill runs Gated DeltaNet on the Householder-expanded stream (docs/algorithm.md §4): per
 expanded chunk of 64 rows, with chunk-local cumulative log-decays Gx (the decay of token t sits
 on its copy 0),
 

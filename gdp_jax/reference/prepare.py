@@ -1,4 +1,4 @@
-"""The decode prepare step in plain jax.numpy: gating and the Householder fold (ALGORITHM.md §8).
+"""The decode prepare step in plain jax.numpy: gating and the Householder fold (docs/algorithm.md §8).
 
     g    = -exp(A_log) * softplus(a + dt_bias)     float32, per (token, value head)
     beta = sigmoid(b) = 1 / (1 + exp(-b))          float32, per (expanded row, value head); x2

@@ -1,4 +1,4 @@
-"""Token-by-token references (the oracles), written straight from the recurrence of API.md.
+"""Token-by-token references (the oracles), written straight from the recurrence of docs/api.md.
 
 Per (sequence, value head hv) the state h is [K, V], starting from the initial state or zeros:
 
