@@ -3,7 +3,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-# Relative-error tolerances (ALGORITHM.md §10.3), keyed by the dtype the kernel computed in.
+# Relative-error tolerances (docs/algorithm.md §10.3), keyed by the dtype the kernel computed in.
 RTOL = {"float64": 1e-10, "float32": 1e-5, "bfloat16": 1e-2, "float16": 5e-3}
 
 

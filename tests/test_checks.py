@@ -1,4 +1,4 @@
-"""Every check of API.md's "Bad input" raises ValueError at trace time, naming the argument."""
+"""Every check of docs/api.md's "Bad input" raises ValueError at trace time, naming the argument."""
 import jax
 import jax.numpy as jnp
 import numpy as np

@@ -286,7 +286,7 @@ def test_prefill_random_shapes(data):
     varlen, B, T = (), d(st.integers(1, 2)), d(st.integers(1, 100))
   cache = d(st.sampled_from(["", "plain", "slots"]))
   dtype = d(st.sampled_from(["float32", "bfloat16"]))
-  # bf16 draws are the regime ALGORITHM.md 10.2 budgets (o ratio 3 to 5e-3 under 1e-2): K >= 8,
+  # bf16 draws are the regime docs/algorithm.md 10.2 budgets (o ratio 3 to 5e-3 under 1e-2): K >= 8,
   # with the decay gate and beta. Outside it bf16 rounding alone crosses 1e-2, float32 stays
   # at 2e-7 on the same inputs (measured here): K = 3, where unit keys are often near-parallel
   # and (I + A)^-1 ill-conditioned (0.45 to 1.0e-2); beta = 1 without decay, an exact
@@ -527,7 +527,7 @@ def test_m1_is_gated_delta_rule():
 
 
 def test_matches_folded_decode():
-  """GDP prefill == the fused recurrent kernel on the folded stream (ALGORITHM.md §2.2)."""
+  """GDP prefill == the fused recurrent kernel on the folded stream (docs/algorithm.md §2.2)."""
   c = Case(B=2, T=20, H=1, HV=2, K=16, V=16, M=3, cache="plain")
   a, kw = make_inputs(c, seed=6)
   o, cache = gdp_jax.chunk_gated_delta_product(**a, **kw, backend=KERNEL_BACKEND)

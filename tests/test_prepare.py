@@ -3,7 +3,7 @@
 The kernel runs through the Triton interpreter on a CPU and through jax_triton on a GPU
 (`-m gpu` adds a realistic shape). The folded query must be the same bits as the input and the
 inserted zeros exact zeros; the float32 gates must match the jnp twin to a few ulp (relative
-1e-6, ALGORITHM.md §8), over the softplus threshold and very negative pre-activations too. End
+1e-6, docs/algorithm.md §8), over the softplus threshold and very negative pre-activations too. End
 to end, prepare + the fused recurrent step with steps_per_token=M must equal
 `gated_delta_product_decode` fed the twin's gates.
 """

@@ -3,7 +3,7 @@ results known by hand (CPU, float64).
 
 The scan forms in gdp_jax.reference.recurrent are the oracles of every kernel test, so they are
 checked here three ways: against the chunked WY twin (written independently), against the
-numpy loop below (written from API.md's recurrence, sharing nothing with either), and against
+numpy loop below (written from docs/api.md's recurrence, sharing nothing with either), and against
 closed forms. Then the decode-side identities: GDP prefill = fused recurrent on the folded
 stream, decode = prefill continued from the cache, snapshots = sequential decodes, rollback.
 """
@@ -39,7 +39,7 @@ def _close(name, ref, out, tol=TOL):
 
 
 # --------------------------------------------------------------------------------------------
-# The plain numpy loop: API.md's recurrence, one (sequence, value head, token, copy) at a time.
+# The plain numpy loop: docs/api.md's recurrence, one (sequence, value head, token, copy) at a time.
 
 def np_gdp(q, k, v, g, beta, M, scale, cu, h0, live, l2norm=False):
   """float64 token loop over a packed stream.
