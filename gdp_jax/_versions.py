@@ -60,6 +60,8 @@ def untested() -> list[str]:
 def warn_if_untested() -> bool:
   """Warns once per process when the installed versions differ from TESTED; True if it warned."""
   global _WARNED
+  if _WARNED:   # the common case, on every launch after the first: no lock
+    return False
   with _LOCK:
     if _WARNED:
       return False
