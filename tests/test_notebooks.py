@@ -139,3 +139,11 @@ def test_performance_plots_results(run_notebook, tmp_path):
   assert "MISSING" not in text, text
   assert images == 3, text              # decode time + bandwidth, sweep, prefill
   assert text.count("loaded ") == 2, text
+
+
+def test_state_tracking(run_notebook):
+  # The small configuration on any device (CI's; on a GPU its layer runs the Triton kernels
+  # forward and backward): both trainings, M = 1 and M = 2, lower the loss, and the figure shows.
+  text, images = run_notebook("state_tracking.ipynb", {"GDP_STATE_TRACKING": "small"})
+  assert images == 1, text
+  assert _checks(text, r"M=\d: loss [\d.]+ -> [\d.]+ .*; fell: (\w+)") == ["True", "True"], text
