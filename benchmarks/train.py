@@ -222,14 +222,17 @@ def jax_worker(task: dict, out: str) -> None:
          "device": str(jax.devices()[0].device_kind),
          "versions": {"jax": jax.__version__}}
   try:
-    x = host_inputs(s, row_seed(s))
-    dev = {k: jax.device_put(a) for k, a in x.items()}
-    jax.block_until_ready(dev)
-    rec["inputs_bytes"] = _jax_memory()["in_use"]
     op, names = jax_op(impl, s, backend)
     rec["op"] = op.desc
+    x = host_inputs(s, row_seed(s))
+    # Only what this implementation reads goes to the device (jla packs by segment ids, the
+    # others by cu_seqlens), so inputs_bytes is its inputs.
+    pack = "segment_ids" if impl == "jla" else "cu_seqlens"
+    dev = {k: jax.device_put(a) for k, a in x.items() if k in names or k in ("do", pack)}
+    jax.block_until_ready(dev)
+    rec["inputs_bytes"] = _jax_memory()["in_use"]
     f32 = jnp.float32
-    packing = {k: dev[k] for k in ("cu_seqlens", "segment_ids") if k in dev}
+    packing = {pack: dev[pack]} if pack in dev else {}
 
     def loss(q, k, v, g, beta, do, packing):
       o = op(q, k, v, g, beta, **packing)
@@ -238,8 +241,7 @@ def jax_worker(task: dict, out: str) -> None:
     # Gradients w.r.t. q, k, v, g, beta (g is None, and not differentiated, when ungated).
     argnums = (0, 1, 2, 3, 4) if GATED[impl] else (0, 1, 2, 4)
     f = jax.jit(jax.value_and_grad(loss, argnums=argnums))
-    args = (dev["q"], dev["k"], dev["v"], dev["g"] if GATED[impl] else None, dev["beta"],
-            dev["do"], packing)
+    args = (dev["q"], dev["k"], dev["v"], dev.get("g"), dev["beta"], dev["do"], packing)
     t0 = time.perf_counter()
     val, grads = f(*args)
     jax.block_until_ready(grads)
