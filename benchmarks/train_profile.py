@@ -4,8 +4,11 @@ Prints, per kernel (Triton kernels under their names, XLA fusions under theirs),
 time per call, for the rows of benchmarks/train.py (bf16, logsigmoid decays, beta in (0, 1),
 L2-normalised q and k inside the op).
 
+With --variants, each row also runs the backward under other block configs
+(gdp_jax._prefill_bwd.BwdConfig fields, e.g. "h_bv=64;h_bv=16,wy_warps=8"), profiled the same way.
+
 Usage (GPU, repository root on PYTHONPATH):
-  python3 benchmarks/train_profile.py [--rows 0,4]
+  python3 benchmarks/train_profile.py [--rows 0,4] [--variants "h_bv=64;wy_warps=8"]
 """
 from __future__ import annotations
 
@@ -25,6 +28,7 @@ ROWS = [dict(B=4, T=2048, H=16, K=128, V=128, M=2), dict(B=4, T=2048, H=16, K=12
 def main():
   p = argparse.ArgumentParser()
   p.add_argument("--rows", default="0")
+  p.add_argument("--variants", default="", help="';'-separated BwdConfig overrides")
   args = p.parse_args()
   common.setup_env(cpu_smoke=False)
   import jax
@@ -32,6 +36,9 @@ def main():
   import numpy as np
   common.fix_triton_cache()
   import gdp_jax
+  from gdp_jax import _prefill_bwd
+  variants = [dict((kv.split("=")[0], int(kv.split("=")[1])) for kv in v.split(","))
+              for v in args.variants.split(";") if v]
   for i in map(int, args.rows.split(",")):
     r = ROWS[i]
     B, T, H, K, V, M = (r[n] for n in "BTHKVM")
@@ -54,9 +61,24 @@ def main():
 
     step = jax.jit(jax.value_and_grad(loss))
     fwd = jax.jit(loss)
-    for name, f in (("fwd", fwd), ("fwd+bwd", step)):
-      ms = common.time_jax(lambda: f(x))["ms"]
-      prof = common.profile_jax(lambda: f(x), calls=3)
+    runs = [("fwd", fwd), ("fwd+bwd", step)]
+    for var in variants:
+      static = _prefill_bwd._Static(M, K ** -0.5, False, True, "triton",
+                                    _prefill_bwd.BwdConfig()._replace(**var))
+
+      def vloss(x, static=static):
+        o, _ = _prefill_bwd._prefill(x["q"], x["k"], x["v"], x["g"], x["beta"], None,
+                                     kw.get("cu_seqlens"), static)
+        return jnp.sum(o.astype(jnp.float32) * do.astype(jnp.float32))
+
+      runs.append((f"fwd+bwd {var}", jax.jit(jax.value_and_grad(vloss))))
+    for name, f in runs:
+      try:
+        ms = common.time_jax(lambda: f(x))["ms"]
+        prof = common.profile_jax(lambda: f(x), calls=3)
+      except Exception as e:  # a variant that does not compile or fit: report, go on
+        print(f"\n-- {name} row {i}: {type(e).__name__}: {str(e)[:300]}")
+        continue
       common.print_profile(f"{name} row {i} {r}: {ms:.3f} ms", prof, per=3, top=16)
 
 

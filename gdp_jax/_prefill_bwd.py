@@ -41,12 +41,27 @@ _BK = 64  # the backward's K blocks (chunk_o_bwd's grid axis, chunk_wy_bwd's loo
 _BV = 64
 
 
+class BwdConfig(NamedTuple):
+  """Block widths and warps of the backward kernels; pinned (bitwise repeatable gradients).
+
+  chunk_h_bwd carries a [K, BV] float32 slice of dS like the forward scan and walks every
+  chunk of its sequence in order: narrower blocks give more programs to hide each chunk's
+  latency chain behind.
+  """
+  h_bv: int = 32          # K <= 128
+  h_bv_big_k: int = 16    # K > 128 (four 64-row tiles of dS)
+  h_warps: int = 4
+  o_warps: int = 4
+  wy_warps: int = 4
+
+
 class _Static(NamedTuple):
   num_householder: int
   scale: float
   output_final_state: bool
   use_qk_l2norm_in_kernel: bool
   backend: str
+  config: BwdConfig = BwdConfig()
 
 
 def chunk_gated_delta_product_train(
@@ -153,7 +168,8 @@ def _backward(q, k, v, g, beta, initial_state, cu_seqlens, Ai, gx, rk, do, dht, 
   ph = _launch.placeholder
   f32 = jnp.float32
   use_g = gx is not None
-  bv = _BV if K <= 128 else 32
+  cfg = static.config
+  bv = min(cfg.h_bv if K <= 128 else cfg.h_bv_big_k, max(16, 1 << (V - 1).bit_length()))
   dh, dvp, dh0 = _launch.call(
       "chunk_h_bwd.chunk_h_bwd_kernel", q_x, kn, gx if use_g else ph(), beta_p, Ai, do_x,
       dht.astype(f32) if dht is not None else ph(), cu, offsets_x, float(static.scale),
@@ -163,7 +179,7 @@ def _backward(q, k, v, g, beta, initial_state, cu_seqlens, Ai, gx, rk, do, dht, 
                  jax.ShapeDtypeStruct((N, HV, K, V) if initial_state is not None else (1,), f32)],
       # float32 inputs stage ieee-dot operands in shared memory: 2 stages need 329 KB at K=256
       # (over the H200's 227 KB, sm_90 compile), 1 stage fits.
-      backend=backend, num_warps=4, num_stages=1 if dtype == jnp.float32 else 2,
+      backend=backend, num_warps=cfg.h_warps, num_stages=1 if dtype == jnp.float32 else 2,
       H=H, HV=HV, K=K, V=V, M=M, BT=BT, BV=bv, USE_G=use_g, USE_DHT=dht is not None,
       USE_DH0=initial_state is not None, DOT_PRECISION=prec)
 
@@ -174,18 +190,19 @@ def _backward(q, k, v, g, beta, initial_state, cu_seqlens, Ai, gx, rk, do, dht, 
       grid=(desc_x.shape[0], HV, nk),
       out_shape=[jax.ShapeDtypeStruct((R, HV, K), f32)] * 3
       + [jax.ShapeDtypeStruct((R, HV, nk) if use_g else (1,), f32)],
-      backend=backend, num_warps=4, num_stages=2,
+      backend=backend, num_warps=cfg.o_warps, num_stages=2,
       H=H, HV=HV, K=K, V=V, M=M, BT=BT, BK=_BK, BV=_BV, NK=nk, USE_G=use_g,
       DOT_PRECISION=prec)
 
-  dk_x, dv_x, dbeta_x, dg_x = _launch.call(
+  dk_x, dv_x, dbeta_x, dg_x, _ = _launch.call(
       "chunk_wy_bwd.chunk_wy_bwd_kernel", kn, vp, beta_p, gx if use_g else ph(), Ai, dw, dvp,
       dk_o, dg_k if use_g else ph(), cu, desc_x,
       grid=(desc_x.shape[0], HV),
       out_shape=[jax.ShapeDtypeStruct((R, HV, K), f32), jax.ShapeDtypeStruct((R, HV, V), f32),
                  jax.ShapeDtypeStruct((R, HV), f32),
-                 jax.ShapeDtypeStruct((R, HV) if use_g else (1,), f32)],
-      backend=backend, num_warps=4, num_stages=2,
+                 jax.ShapeDtypeStruct((R, HV) if use_g else (1,), f32),
+                 jax.ShapeDtypeStruct((R, HV, BT), f32)],
+      backend=backend, num_warps=cfg.wy_warps, num_stages=2,
       H=H, HV=HV, K=K, V=V, M=M, BT=BT, BK=_BK, BV=_BV, NK=nk, USE_G=use_g,
       DOT_PRECISION=prec)
 

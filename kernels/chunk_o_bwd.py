@@ -103,8 +103,16 @@ def chunk_o_bwd_kernel(
     b_dpt += tl.dot(b_vn, b_dot, input_precision=DOT_PRECISION)
     b_dks += tl.dot(b_vn, b_dht.to(dt), input_precision=DOT_PRECISION)
     b_dw += tl.dot(b_dv.to(dt), b_ht, input_precision=DOT_PRECISION)
-    if USE_G:
-      b_sds += tl.sum(b_ht.to(tl.float32) * b_dht, 0)
+  if USE_G:
+    # <S, dS> in a loop of its own: a tile that feeds a tensor-core dot and a register reduction
+    # in the same pipelined loop comes out wrong on the H200 (docs/algorithm.md §4.2; here dg
+    # differed between two identical bf16 runs).
+    for i_v in range(tl.cdiv(V, BV)):
+      o_v = i_v * BV + tl.arange(0, BV)
+      m_kv = mask_k[:, None] & (o_v < V)[None, :]
+      b_hs = tl.load(p_h + o_k[:, None] * V + o_v[None, :], mask=m_kv, other=0.)
+      b_dhs = tl.load(p_dh + o_k[:, None] * V + o_v[None, :], mask=m_kv, other=0.)
+      b_sds += tl.sum(b_hs.to(tl.float32) * b_dhs, 1)
 
   p_qk = (row0 + o_a[:, None]) * (H * K) + i_h * K + o_k[None, :]
   b_q = tl.load(q + p_qk, mask=m_rk, other=0.)

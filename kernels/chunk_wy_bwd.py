@@ -12,9 +12,10 @@ dU = dV' (chunk_h_bwd):
         ->  dk += (dA . beta_a Dec) K + (dA . beta_a Dec)^T K,  dbeta_a += sum_b dA <k_a, k_b> Dec,
             dG_a += sum_b (dA . A)[a, b] - sum_b (dA . A)[b, a]
 
-dA^T is formed as its own product (-T dT^T T, with dT^T accumulated beside dT) rather than by
-transposing dA: a tl.trans of a dot result fed to another dot is miscompiled on Hopper by
-Triton 3.4 to 3.7.0 (FLA #640). Transposed operands are loaded transposed from memory.
+The transpose of dA . beta Dec goes through memory rather than through tl.trans: a tl.trans of
+a dot result fed to another dot is miscompiled on Hopper by Triton 3.4 to 3.7.0 (FLA #640).
+Transposed operands are loaded transposed from memory. The products take input-dtype operands
+(Ai, and dT, dW, dU rounded to it) with float32 accumulation, as FLA's WY backward does.
 
 The per-row dG of chunk_o_bwd (one column per K block) is added, and the chunk's reverse
 cumulative sum turns dG (the cotangent of the chunk-local cumulative decays) into the cotangent
@@ -47,6 +48,7 @@ def chunk_wy_bwd_kernel(
     dv,          # [T*M, HV, V] float32
     dbeta,       # [T*M, HV] float32
     dg,          # [T*M, HV] float32 cotangent of each row's log decay; unwritten without USE_G
+    dA_scratch,  # [T*M, HV, BT] float32 (dA . beta Dec), written and read back transposed
     # sizes
     H: tl.constexpr,
     HV: tl.constexpr,
@@ -81,11 +83,8 @@ def chunk_wy_bwd_kernel(
   p_ai = Ai + row0 * (HV * BT) + i_hv * BT
   b_ai = tl.load(p_ai + o_a[:, None] * (HV * BT) + o_a[None, :], mask=mask_r[:, None], other=0.)
   b_ait = tl.load(p_ai + o_a[None, :] * (HV * BT) + o_a[:, None], mask=mask_r[None, :], other=0.)
-  b_ai = b_ai.to(tl.float32)
-  b_ait = b_ait.to(tl.float32)
 
   b_dT = tl.zeros([BT, BT], dtype=tl.float32)
-  b_dTt = tl.zeros([BT, BT], dtype=tl.float32)
   b_kk = tl.zeros([BT, BT], dtype=tl.float32)
   p_k = k + row0 * (H * K) + i_h * K
   p_kv = row0 * (HV * K) + i_hv * K
@@ -96,11 +95,8 @@ def chunk_wy_bwd_kernel(
     b_k = tl.load(p_k + o_a[:, None] * (H * K) + o_k[None, :], mask=m_rk, other=0.)
     b_kt = tl.load(p_k + o_a[None, :] * (H * K) + o_k[:, None], mask=m_kr, other=0.)
     b_dw = tl.load(dw + p_kv + o_a[:, None] * (HV * K) + o_k[None, :], mask=m_rk, other=0.)
-    b_dwt = tl.load(dw + p_kv + o_a[None, :] * (HV * K) + o_k[:, None], mask=m_kr, other=0.)
-    b_kb = b_k.to(tl.float32) * b_bg[:, None]
-    b_kbt = b_kt.to(tl.float32) * b_bg[None, :]
-    b_dT += tl.dot(b_dw, b_kbt, input_precision=DOT_PRECISION)
-    b_dTt += tl.dot(b_kb, b_dwt, input_precision=DOT_PRECISION)
+    b_kbt = (b_kt.to(tl.float32) * b_bg[None, :]).to(dt)
+    b_dT += tl.dot(b_dw.to(dt), b_kbt, input_precision=DOT_PRECISION)
     b_kk += tl.dot(b_k, b_kt, input_precision=DOT_PRECISION)
 
   b_db = tl.zeros([BT], dtype=tl.float32)
@@ -109,60 +105,71 @@ def chunk_wy_bwd_kernel(
     o_v = i_v * BV + tl.arange(0, BV)
     m_rv = mask_r[:, None] & (o_v < V)[None, :]
     m_vr = (o_v < V)[:, None] & mask_r[None, :]
-    b_v = tl.load(v + p_vv + o_a[:, None] * (HV * V) + o_v[None, :], mask=m_rv, other=0.)
     b_vt = tl.load(v + p_vv + o_a[None, :] * (HV * V) + o_v[:, None], mask=m_vr, other=0.)
     b_du = tl.load(du + p_vv + o_a[:, None] * (HV * V) + o_v[None, :], mask=m_rv, other=0.)
-    b_dut = tl.load(du + p_vv + o_a[None, :] * (HV * V) + o_v[:, None], mask=m_vr, other=0.)
-    b_vf = b_v.to(tl.float32)
-    b_dT += tl.dot(b_du, b_vt.to(tl.float32) * b_beta[None, :], input_precision=DOT_PRECISION)
-    b_dTt += tl.dot(b_vf * b_beta[:, None], b_dut, input_precision=DOT_PRECISION)
-    b_dvb = tl.dot(b_ait, b_du, input_precision=DOT_PRECISION)
+    b_vbt = (b_vt.to(tl.float32) * b_beta[None, :]).to(dt)
+    b_dT += tl.dot(b_du.to(dt), b_vbt, input_precision=DOT_PRECISION)
+    b_dvb = tl.dot(b_ait, b_du.to(dt), input_precision=DOT_PRECISION)
     tl.store(dv + p_vv + o_a[:, None] * (HV * V) + o_v[None, :], b_dvb * b_beta[:, None],
              mask=m_rv)
-    b_db += tl.sum(b_dvb * b_vf, 1)
+  # <dVb, v> in a loop of its own: a tile that feeds a tensor-core dot and a register reduction
+  # in the same pipelined loop comes out wrong on the H200 (docs/algorithm.md §4.2).
+  for i_v in range(tl.cdiv(V, BV)):
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_rv = mask_r[:, None] & (o_v < V)[None, :]
+    b_du = tl.load(du + p_vv + o_a[:, None] * (HV * V) + o_v[None, :], mask=m_rv, other=0.)
+    b_dvb = tl.dot(b_ait, b_du.to(dt), input_precision=DOT_PRECISION)
+    b_v = tl.load(v + p_vv + o_a[:, None] * (HV * V) + o_v[None, :], mask=m_rv, other=0.)
+    b_db += tl.sum(b_dvb * b_v.to(tl.float32), 1)
 
-  # dA = -T^T dT T^T and its transpose -T dT^T T, each on its own side of the diagonal.
-  b_dA = -tl.dot(tl.dot(b_ait, b_dT, input_precision=DOT_PRECISION), b_ait,
+  # dA = -T^T dT T^T on the strictly lower valid part.
+  b_dA = -tl.dot(tl.dot(b_ait, b_dT.to(dt), input_precision=DOT_PRECISION).to(dt), b_ait,
                  input_precision=DOT_PRECISION)
-  b_dAt = -tl.dot(tl.dot(b_ai, b_dTt, input_precision=DOT_PRECISION), b_ai,
-                  input_precision=DOT_PRECISION)
   m_lo = (o_a[:, None] > o_a[None, :]) & m_rr
-  m_up = (o_a[:, None] < o_a[None, :]) & m_rr
   if USE_G:
-    # Selects: on the other side of the diagonal the exponent may overflow to inf.
-    b_dec = tl.where(m_lo, tl.exp2(b_g[:, None] - b_g[None, :]), 0.)
-    b_dect = tl.where(m_up, tl.exp2(b_g[None, :] - b_g[:, None]), 0.)
+    # A select: above the diagonal the exponent may overflow to inf.
+    b_dA = tl.where(m_lo, b_dA * tl.exp2(b_g[:, None] - b_g[None, :]), 0.)   # dA . Dec
   else:
-    b_dec = tl.where(m_lo, 1., 0.)
-    b_dect = tl.where(m_up, 1., 0.)
-  b_dA = b_dA * b_dec          # dA . Dec on the lower part, 0 elsewhere
-  b_dAt = b_dAt * b_dect       # (dA . Dec)^T on the upper part
+    b_dA = tl.where(m_lo, b_dA, 0.)
   b_db += tl.sum(b_dA * b_kk, 1)
   b_dAm = b_dA * b_beta[:, None]
-  b_dAmt = b_dAt * b_beta[None, :]
   if USE_G:
-    b_dGa = b_dAm * b_kk       # dA . A, lower part
-    b_dGat = b_dAmt * b_kk     # (dA . A)^T, upper part: its row sums are dA . A's column sums
-    b_dgr = tl.sum(b_dGa, 1) - tl.sum(b_dGat, 1)
+    b_dGa = b_dAm * b_kk       # dA . A: dG_a += its row sum - its column sum
+    b_dgr = tl.sum(b_dGa, 1) - tl.sum(b_dGa, 0)
+  # (dA . beta Dec)^T K goes through memory: the transpose of a dot result fed to another dot
+  # is miscompiled on Hopper by Triton 3.4 to 3.7.0 (FLA #640). The barrier makes this
+  # program's stores visible to all its threads before they read the transpose.
+  p_s = dA_scratch + row0 * (HV * BT) + i_hv * BT
+  tl.store(p_s + o_a[:, None] * (HV * BT) + o_a[None, :], b_dAm, mask=mask_r[:, None])
+  tl.debug_barrier()
+  b_dAmt = tl.load(p_s + o_a[None, :] * (HV * BT) + o_a[:, None], mask=mask_r[None, :],
+                   other=0.)
 
   for i_k in range(tl.cdiv(K, BK)):
     o_k = i_k * BK + tl.arange(0, BK)
     m_rk = mask_r[:, None] & (o_k < K)[None, :]
     b_k = tl.load(p_k + o_a[:, None] * (H * K) + o_k[None, :], mask=m_rk, other=0.)
     b_dw = tl.load(dw + p_kv + o_a[:, None] * (HV * K) + o_k[None, :], mask=m_rk, other=0.)
-    b_dkb = tl.dot(b_ait, b_dw, input_precision=DOT_PRECISION)
-    b_kf = b_k.to(tl.float32)
+    b_dkb = tl.dot(b_ait, b_dw.to(dt), input_precision=DOT_PRECISION)
     b_dk = tl.load(dk_in + p_kv + o_a[:, None] * (HV * K) + o_k[None, :], mask=m_rk, other=0.)
     b_dk += b_dkb * b_bg[:, None]
-    b_dk += tl.dot(b_dAm + b_dAmt, b_kf, input_precision=DOT_PRECISION)
+    b_dk += tl.dot(b_dAm.to(dt), b_k, input_precision=DOT_PRECISION)
+    b_dk += tl.dot(b_dAmt.to(dt), b_k, input_precision=DOT_PRECISION)
     tl.store(dk + p_kv + o_a[:, None] * (HV * K) + o_k[None, :], b_dk, mask=m_rk)
-    b_dkk = tl.sum(b_dkb * b_kf, 1)
-    b_db += b_gam * b_dkk
-    if USE_G:
-      b_dgr += b_bg * b_dkk
+  # <dKb, k> in a loop of its own, as <dVb, v> above.
+  b_dkk = tl.zeros([BT], dtype=tl.float32)
+  for i_k in range(tl.cdiv(K, BK)):
+    o_k = i_k * BK + tl.arange(0, BK)
+    m_rk = mask_r[:, None] & (o_k < K)[None, :]
+    b_dw = tl.load(dw + p_kv + o_a[:, None] * (HV * K) + o_k[None, :], mask=m_rk, other=0.)
+    b_dkb = tl.dot(b_ait, b_dw.to(dt), input_precision=DOT_PRECISION)
+    b_k = tl.load(p_k + o_a[:, None] * (H * K) + o_k[None, :], mask=m_rk, other=0.)
+    b_dkk += tl.sum(b_dkb * b_k.to(tl.float32), 1)
+  b_db += b_gam * b_dkk
 
   tl.store(dbeta + row * HV + i_hv, b_db, mask=mask_r)
   if USE_G:
+    b_dgr += b_bg * b_dkk
     for i_k in tl.static_range(NK):
       b_dgr += tl.load(dg_in + (row * HV + i_hv) * NK + i_k, mask=mask_r, other=0.)
     b_dgr = tl.where(mask_r, b_dgr, 0.)
