@@ -262,6 +262,21 @@ def bf16_error_section(rows, meta) -> list[str]:
   return out
 
 
+def train_section(rows, meta) -> list[str]:
+  out = table(rows, [
+      ("row", "row", "d"), ("shape", "shape", None), ("impl", "impl", None),
+      ("fwd+bwd ms", "time_ms", ".3f"), ("floor ms", "floor_ms", ".3f"),
+      ("/ floor", "time_over_floor", ".1f"), ("/ jla", "time_over_jla", ".2f"),
+      ("peak MB", "peak_MB", ".0f"), ("peak / jla", "peak_over_jla", ".2f"),
+      ("agree", "agree", ".1e"), ("status", "status", None),
+  ])
+  out += ["", "`jax.jit(jax.value_and_grad(loss))` with loss = sum(o * do), gradients with respect "
+          "to q, k, v, g, beta (bf16, L2-normalised q and k inside the op); peak device memory "
+          "of the first call, inputs included; floor: the bytes fwd+bwd must move at least over "
+          "4.27 TB/s. `agree`: relative difference of the gradients from ours."]
+  return out
+
+
 # Tabulators by section name, and by (file name without .json, section name) where a section
 # name ("rows") says nothing about its contents.
 KNOWN = {
@@ -272,6 +287,7 @@ KNOWN = {
 KNOWN_IN_FILE = {
     ("sharding", "rows"): sharding_section,
     ("bf16_cache_error", "rows"): bf16_error_section,
+    ("train", "rows"): train_section,
 }
 
 

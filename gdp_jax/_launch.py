@@ -38,6 +38,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from gdp_jax import _versions
+
 # Triton's interpreter patches triton.language globals while a kernel runs, so two launches on
 # different threads (one pure_callback per device under shard_map) corrupt each other.
 _INTERPRET_LOCK = threading.Lock()
@@ -183,6 +185,7 @@ _CALL_TARGET = None  # the custom call target chosen at the first launch
 
 def _jax_triton_module():
   global _CALL_TARGET
+  _versions.warn_if_untested()
   if "jax_triton" not in sys.modules:
     before = os.environ.get("TRITON_CACHE_DIR")
     import jax_triton  # imports only where jax has GPU support
