@@ -38,8 +38,7 @@ least (q, k, v, g, beta and do read once, their gradients written once) over 4.2
 entries of each gradient (the same positions in every worker), against ours (fla against
 ours_ungated): a layout mistake shows as O(1), bf16 agreement as about 1e-2.
 
-Usage (GPU, repository root on PYTHONPATH; `--out $OUT/train.json` to get the file back from a
-lent machine):
+Usage (GPU, repository root on PYTHONPATH; `--out PATH` writes the results elsewhere):
   python3 benchmarks/train.py [--rows 0,3] [--only ours,jla,fla,fla_gated,reference] [--out F]
   python3 benchmarks/train.py --smoke     # CPU: tiny shapes, backend "reference" only
 """
