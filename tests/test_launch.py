@@ -152,7 +152,9 @@ def test_ffi_call_target_gpu(tmp_path):
 def test_differentiating_a_launch_says_forward_only():
   x, idx, cache = _case(jnp.float32)
   loss = lambda x: _run(x, idx, cache, 0.5, "interpret")[0].sum()
-  with pytest.raises(NotImplementedError, match="forward pass only.*backend='reference'"):
+  # A launch outside the prefill's training path (here a cache update) says what is
+  # differentiable and where gradients through it are found.
+  with pytest.raises(NotImplementedError, match="forward-only.*backend='reference'"):
     jax.grad(loss)(x)
   # The forward pass under jit is untouched by the rule.
   y, new_cache = jax.jit(lambda x: _run(x, idx, cache, 0.5, "interpret"))(x)
