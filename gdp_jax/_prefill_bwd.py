@@ -30,11 +30,10 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from gdp_jax import _launch
 from gdp_jax import _prefill_kernels as pk
-from gdp_jax.reference.chunked import chunk_descriptors, chunk_offsets
+from gdp_jax.reference.chunked import chunk_offsets
 
 BT = pk.BT
 _BK = 64  # the backward's K blocks (chunk_o_bwd's grid axis, chunk_wy_bwd's loops)
@@ -114,11 +113,16 @@ def _prefill_bwd(static, saved, cotangents):
 _prefill.defvjp(_prefill_fwd, _prefill_bwd)
 
 
-def _l2norm_bwd(x, dy):
-  """The cotangent of x / sqrt(|x|^2 + 1e-6) (rows of the last axis), in float32."""
+def _l2norm(x):
+  """(x / sqrt(|x|^2 + 1e-6), the factor 1 / sqrt(|x|^2 + 1e-6)) over the last axis, float32."""
   x = x.astype(jnp.float32)
   r = jax.lax.rsqrt(jnp.sum(x * x, -1, keepdims=True) + 1e-6)
-  y = x * r
+  return x * r, r
+
+
+def _l2norm_bwd(x, dy):
+  """The cotangent of the L2 norm's input x from that of its output, dy (float32)."""
+  y, r = _l2norm(x)
   return r * (dy - y * jnp.sum(y * dy, -1, keepdims=True))
 
 
@@ -138,16 +142,8 @@ def _backward(q, k, v, g, beta, initial_state, cu_seqlens, Ai, gx, rk, do, dht, 
   qp = q.astype(dtype).reshape(TT, H, K)
   beta_p = (jnp.ones((R, HV), jnp.float32) if beta is None
             else beta.reshape(R, HV).astype(jnp.float32))
-  if cu_seqlens is None:
-    N = B
-    cu = jnp.asarray(np.arange(B + 1, dtype=np.int32) * T)
-    n_rows_x = B * -(-(T * M) // BT)
-    desc_x = jnp.asarray(pk._dense_descriptors(B, T * M))
-  else:
-    N = cu_seqlens.shape[0] - 1
-    cu = cu_seqlens.astype(jnp.int32)
-    n_rows_x = min(R, R // BT + N)
-    desc_x = chunk_descriptors(cu * M, n_rows_x)
+  N, cu, _, desc_x, _ = pk._packing(B, T, M, cu_seqlens)
+  n_rows_x = desc_x.shape[0]
   offsets_x = chunk_offsets(cu * M)
 
   # The states entering every expanded chunk: the forward scan on the expanded stream seen as
@@ -159,8 +155,7 @@ def _backward(q, k, v, g, beta, initial_state, cu_seqlens, Ai, gx, rk, do, dht, 
 
   # The backward kernels take the normalised rows themselves.
   if static.use_qk_l2norm_in_kernel:
-    qn = (qp.astype(jnp.float32) * jax.lax.rsqrt(
-        jnp.sum(jnp.square(qp.astype(jnp.float32)), -1, keepdims=True) + 1e-6)).astype(dtype)
+    qn = _l2norm(qp)[0].astype(dtype)
     kn = (kp.astype(jnp.float32) * rk[..., None]).astype(dtype)
   else:
     qn, kn = qp, kp

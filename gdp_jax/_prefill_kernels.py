@@ -27,6 +27,7 @@ With `cu_seqlens`, the chunk descriptors are built on the device with static upp
 from __future__ import annotations
 
 import dataclasses
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -139,6 +140,31 @@ def _dense_descriptors(B: int, L: int) -> np.ndarray:
   seq = np.repeat(np.arange(B, dtype=np.int32), nc)
   local = np.tile(np.arange(nc, dtype=np.int32), B)
   return np.stack([seq, local], -1)
+
+
+class _Packing(NamedTuple):
+  N: int               # sequences
+  cu: jax.Array        # [N+1] int32 token-stream sequence starts
+  desc_t: jax.Array    # [NCD, 2] token-chunk descriptors; NCD rows of the chunk states
+  desc_x: jax.Array    # [NXD, 2] expanded-chunk descriptors
+  offsets: jax.Array   # [N+1] int32 first row of each sequence in the token-chunk states
+
+
+def _packing(B: int, T: int, M: int, cu_seqlens) -> _Packing:
+  """The packed stream's sequence starts and chunk descriptors (§5.3). Dense inputs [B, T]
+  are B sequences of T tokens, with descriptors known at trace time; with `cu_seqlens`
+  (B == 1) they are built on the device with static upper bounds: no host sync, one compilation
+  for every cu_seqlens value of this shape; entries past the true count are (-1, 0)."""
+  if cu_seqlens is None:
+    n_c = -(-T // BT)
+    return _Packing(B, jnp.asarray(np.arange(B + 1, dtype=np.int32) * T),
+                    jnp.asarray(_dense_descriptors(B, T)),
+                    jnp.asarray(_dense_descriptors(B, T * M)),
+                    jnp.asarray(np.arange(B + 1, dtype=np.int32) * n_c))
+  N = cu_seqlens.shape[0] - 1
+  cu = cu_seqlens.astype(jnp.int32)
+  return _Packing(N, cu, chunk_descriptors(cu, min(T, T // BT + N)),
+                  chunk_descriptors(cu * M, min(T * M, (T * M) // BT + N)), chunk_offsets(cu))
 
 
 def _solve_precision(dtype) -> str:
@@ -366,23 +392,8 @@ def _chunk_gated_delta_product_fwd(
   else:
     beta = beta.reshape(B * T * M, HV)
 
-  if cu_seqlens is None:
-    N = B
-    cu = jnp.asarray(np.arange(B + 1, dtype=np.int32) * T)
-    n_c = -(-T // BT)
-    desc_t = jnp.asarray(_dense_descriptors(B, T))
-    desc_x = jnp.asarray(_dense_descriptors(B, T * M))
-    offsets = jnp.asarray(np.arange(B + 1, dtype=np.int32) * n_c)
-    n_rows = B * n_c
-  else:
-    N = cu_seqlens.shape[0] - 1
-    cu = cu_seqlens.astype(jnp.int32)
-    n_rows = min(T, T // BT + N)
-    # Built on the device with static upper bounds (§5.3): no host sync, one compilation for
-    # every cu_seqlens value of this shape; entries past the true count are (-1, 0).
-    desc_t = chunk_descriptors(cu, n_rows)
-    desc_x = chunk_descriptors(cu * M, min(T * M, (T * M) // BT + N))
-    offsets = chunk_offsets(cu)
+  N, cu, desc_t, desc_x, offsets = _packing(B, T, M, cu_seqlens)
+  n_rows = desc_t.shape[0]
 
   if g is not None:
     g = g.reshape(B * T, HV).astype(jnp.float32)
@@ -435,7 +446,7 @@ def _chunk_gated_delta_product_fwd(
       live = jnp.arange(n_rows) < offsets[N]
       states = jnp.where(live[:, None, None, None], states, jnp.zeros((), states.dtype))
     else:
-      states = states.reshape(B, n_c, HV, K, V)
+      states = states.reshape(B, -(-T // BT), HV, K, V)
     outputs = outputs + (states,)
   if return_residuals:
     outputs = outputs + ((Ai, gx, rk),)

@@ -81,7 +81,6 @@ def chunk_wy_bwd_kernel(
     b_gam = tl.where(mask_r, 1., 0.)
   b_bg = b_beta * b_gam
   p_ai = Ai + row0 * (HV * BT) + i_hv * BT
-  b_ai = tl.load(p_ai + o_a[:, None] * (HV * BT) + o_a[None, :], mask=mask_r[:, None], other=0.)
   b_ait = tl.load(p_ai + o_a[None, :] * (HV * BT) + o_a[:, None], mask=mask_r[None, :], other=0.)
 
   b_dT = tl.zeros([BT, BT], dtype=tl.float32)

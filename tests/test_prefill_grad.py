@@ -126,14 +126,14 @@ def _loss(fn, cts, kw, **extra):
   return loss
 
 
-def grads(c, x, cts, kw, backend):
+def grads(x, cts, kw, backend):
   return jax.grad(_loss(gdp_jax.chunk_gated_delta_product, cts, kw, backend=backend))(x)
 
 
 def check_grads(c: Case, backend, seed=0):
   x, cts, kw = make_inputs(c, seed)
   xk = _cast(c, x)
-  out = grads(c, xk, cts, kw, backend)
+  out = grads(xk, cts, kw, backend)
   up = {n: a.astype(f64) for n, a in xk.items()}   # the same rounded inputs, in float64
   ref = jax.grad(_loss(reference.chunk_gated_delta_product, cts, kw))(up)
   tol = GRAD_RTOL[c.dtype]
@@ -177,7 +177,7 @@ def test_grads_deterministic_gpu(dtype):
   c = Case(B=2, T=600, H=4, HV=8, K=128, V=128, M=2, dtype=dtype, l2norm=True)
   x, cts, kw = make_inputs(c, 5)
   xk = _cast(c, x)
-  f = jax.jit(lambda x: grads(c, x, cts, kw, "triton"))
+  f = jax.jit(lambda x: grads(x, cts, kw, "triton"))
   a, b = f(xk), f(xk)
   for n in x:
     assert bits_equal(a[n], b[n]), f"d{n} differs between two identical runs"
