@@ -54,6 +54,23 @@ def _load_tile(p, i_t, o_k, o_v, mask_v, K: tl.constexpr, V: tl.constexpr):
 
 
 @triton.jit
+def _load_state(p, o_k, o_v, mask_v, K: tl.constexpr, V: tl.constexpr):
+  """The [K, BV] slice of a [K, V] state at p as four 64-row float32 tiles (those past K are
+  zeros and compiled out of every use)."""
+  b_h1 = _load_tile(p, 0, o_k, o_v, mask_v, K, V)
+  b_h2 = tl.zeros_like(b_h1)
+  b_h3 = tl.zeros_like(b_h1)
+  b_h4 = tl.zeros_like(b_h1)
+  if K > 64:
+    b_h2 = _load_tile(p, 1, o_k, o_v, mask_v, K, V)
+  if K > 128:
+    b_h3 = _load_tile(p, 2, o_k, o_v, mask_v, K, V)
+  if K > 192:
+    b_h4 = _load_tile(p, 3, o_k, o_v, mask_v, K, V)
+  return b_h1, b_h2, b_h3, b_h4
+
+
+@triton.jit
 def _store_tile(p, b_h, i_t, o_k, o_v, mask_v, K: tl.constexpr, V: tl.constexpr):
   o = i_t * 64 + o_k
   tl.store(p + o[:, None] * V + o_v[None, :], b_h.to(p.dtype.element_ty),
@@ -193,14 +210,8 @@ def chunk_h_fwd_kernel(
     i_s = i_n.to(tl.int64)
 
   if USE_INITIAL_STATE:
-    p_h0 = h0 + i_s * stride_s + i_hv * stride_hv
-    b_h1 = _load_tile(p_h0, 0, o_k, o_v, mask_v, K, V)
-    if K > 64:
-      b_h2 = _load_tile(p_h0, 1, o_k, o_v, mask_v, K, V)
-    if K > 128:
-      b_h3 = _load_tile(p_h0, 2, o_k, o_v, mask_v, K, V)
-    if K > 192:
-      b_h4 = _load_tile(p_h0, 3, o_k, o_v, mask_v, K, V)
+    b_h1, b_h2, b_h3, b_h4 = _load_state(h0 + i_s * stride_s + i_hv * stride_hv, o_k, o_v,
+                                         mask_v, K, V)
 
   p_w = w + i_hv * K
   p_k = k + i_h * K

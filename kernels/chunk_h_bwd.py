@@ -24,7 +24,7 @@ Grid: (N * HV, ceil(V / BV)), as the forward scan. Parameter order: inputs, outp
 import triton
 import triton.language as tl
 
-from .chunk_h import _load_tile, _row_tile, _row_tile_t, _store_state
+from .chunk_h import _load_state, _row_tile, _row_tile_t, _store_state
 
 
 @triton.jit
@@ -94,14 +94,8 @@ def chunk_h_bwd_kernel(
   b_dh3 = tl.zeros([64, BV], dtype=tl.float32)
   b_dh4 = tl.zeros([64, BV], dtype=tl.float32)
   if USE_DHT:
-    p_dht = dht + (i_n.to(tl.int64) * HV + i_hv) * (K * V)
-    b_dh1 = _load_tile(p_dht, 0, o_k, o_v, mask_v, K, V)
-    if K > 64:
-      b_dh2 = _load_tile(p_dht, 1, o_k, o_v, mask_v, K, V)
-    if K > 128:
-      b_dh3 = _load_tile(p_dht, 2, o_k, o_v, mask_v, K, V)
-    if K > 192:
-      b_dh4 = _load_tile(p_dht, 3, o_k, o_v, mask_v, K, V)
+    b_dh1, b_dh2, b_dh3, b_dh4 = _load_state(dht + (i_n.to(tl.int64) * HV + i_hv) * (K * V),
+                                             o_k, o_v, mask_v, K, V)
 
   p_q = q + i_h * K
   p_k = k + i_h * K
