@@ -1,8 +1,8 @@
 """Kernel profile of one training step of the prefill (fwd+bwd through the Triton kernels).
 
 Prints, per kernel (Triton kernels under their names, XLA fusions under theirs), its device
-time per call, for the rows of benchmarks/train.py (bf16, logsigmoid decays, beta in (0, 1),
-L2-normalised q and k inside the op).
+time per call, for the rows of benchmarks/train.py on the same inputs (train.shapes,
+train.host_inputs: bf16, logsigmoid decays, beta in (0, 1), L2-normalised q and k inside the op).
 
 With --variants, each row also runs the backward under other block configs
 (gdp_jax._prefill_bwd.BwdConfig fields, e.g. "h_bv=64;h_bv=16,wy_warps=8"), profiled the same way.
@@ -18,12 +18,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # noqa: E402
-
-ROWS = [dict(B=4, T=2048, H=16, K=128, V=128, M=2), dict(B=4, T=2048, H=16, K=128, V=128, M=3),
-        dict(B=1, T=8192, H=16, K=128, V=128, M=2), dict(B=1, T=16384, H=16, K=128, V=128, M=2,
-                                                          N=8),
-        dict(B=4, T=2048, H=6, K=256, V=512, M=2)]
-
+import train  # noqa: E402
 
 def main():
   p = argparse.ArgumentParser()
@@ -33,27 +28,21 @@ def main():
   common.setup_env(cpu_smoke=False)
   import jax
   import jax.numpy as jnp
-  import numpy as np
   common.fix_triton_cache()
   import gdp_jax
   from gdp_jax import _prefill_bwd
   variants = [dict((kv.split("=")[0], int(kv.split("=")[1])) for kv in v.split(","))
               for v in args.variants.split(";") if v]
+  rows = train.shapes(smoke=False)
   for i in map(int, args.rows.split(",")):
-    r = ROWS[i]
-    B, T, H, K, V, M = (r[n] for n in "BTHKVM")
-    rng = np.random.default_rng(i)
-    bf = jnp.bfloat16
-    x = dict(q=jnp.asarray(rng.standard_normal((B, T, H, K)), bf),
-             k=jnp.asarray(rng.standard_normal((B, T * M, H, K)), bf),
-             v=jnp.asarray(rng.standard_normal((B, T * M, H, V)), bf),
-             g=jnp.asarray(jax.nn.log_sigmoid(rng.standard_normal((B, T, H)) + 3), jnp.float32),
-             beta=jnp.asarray(jax.nn.sigmoid(rng.standard_normal((B, T * M, H))), bf))
-    do = jnp.asarray(rng.standard_normal((B, T, H, V)), bf)
+    r = rows[i]
+    K, M = r["K"], r["M"]
+    h = train.host_inputs(r, train.row_seed(r))
+    x = {n: jnp.asarray(h[n]) for n in ("q", "k", "v", "g", "beta")}
+    do = jnp.asarray(h["do"])
     kw = dict(num_householder=M, use_qk_l2norm_in_kernel=True, backend="triton")
-    if "N" in r:
-      cuts = np.sort(rng.choice(np.arange(1, T), r["N"] - 1, replace=False))
-      kw["cu_seqlens"] = jnp.asarray(np.concatenate([[0], cuts, [T]]), jnp.int32)
+    if "cu_seqlens" in h:
+      kw["cu_seqlens"] = jnp.asarray(h["cu_seqlens"])
 
     def loss(x):
       o, _ = gdp_jax.chunk_gated_delta_product(**x, **kw)
