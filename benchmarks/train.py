@@ -417,14 +417,8 @@ def _dist_versions() -> dict:
 
 
 def _git() -> dict:
-  try:
-    commit = subprocess.run(["git", "-C", REPO, "rev-parse", "HEAD"], capture_output=True,
-                            text=True, timeout=20).stdout.strip()
-    dirty = subprocess.run(["git", "-C", REPO, "status", "--porcelain", "--untracked-files=no"],
-                           capture_output=True, text=True, timeout=20).stdout.strip()
-    return {"commit": commit or os.environ.get("GDP_GIT_COMMIT"), "dirty": bool(dirty)}
-  except Exception:
-    return {"commit": os.environ.get("GDP_GIT_COMMIT"), "dirty": None}
+  commit = common.git_commit()  # $GDP_COMMIT first: a copied tree's .git may name another commit
+  return {"commit": commit.removesuffix("+dirty"), "dirty": commit.endswith("+dirty")}
 
 
 class Run:

@@ -8,7 +8,7 @@ With --variants, each row also runs the backward under other block configs
 (gdp_jax._prefill_bwd.BwdConfig fields, e.g. "h_bv=64;h_bv=16,wy_warps=8"), profiled the same way.
 
 Usage (GPU, repository root on PYTHONPATH):
-  python3 benchmarks/train_profile.py [--rows 0,4] [--variants "h_bv=64;wy_warps=8"]
+  python3 benchmarks/train_profile.py [--rows 0,4] [--variants "h_bv=64;wy_warps=8"] [--top 16]
 """
 from __future__ import annotations
 
@@ -24,6 +24,7 @@ def main():
   p = argparse.ArgumentParser()
   p.add_argument("--rows", default="0")
   p.add_argument("--variants", default="", help="';'-separated BwdConfig overrides")
+  p.add_argument("--top", type=int, default=16, help="how many kernels to list per run")
   args = p.parse_args()
   common.setup_env(cpu_smoke=False)
   import jax
@@ -68,7 +69,7 @@ def main():
       except Exception as e:  # a variant that does not compile or fit: report, go on
         print(f"\n-- {name} row {i}: {type(e).__name__}: {str(e)[:300]}")
         continue
-      common.print_profile(f"{name} row {i} {r}: {ms:.3f} ms", prof, per=3, top=16)
+      common.print_profile(f"{name} row {i} {r}: {ms:.3f} ms", prof, per=3, top=args.top)
 
 
 if __name__ == "__main__":
