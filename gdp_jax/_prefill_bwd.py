@@ -10,7 +10,7 @@ The forward rule is the plain forward, which also hands back three of its interm
 per-chunk inverse Ai, the expanded-stream cumulative decays Gx and the key row factors): a
 plain forward call never goes through it, so it pays nothing for training. The backward
 (docs/algorithm.md §13.1) runs on the expanded stream as Gated DeltaNet, with the query and the
-output cotangent placed on each token's last copy:
+output cotangent placed on each token's last copy (the kernels read both from the token stream):
 
     recompute  the state entering every expanded chunk and V' (chunk_h, stage 4 inside, with
                M = 1 on the expanded stream so that it checkpoints every chunk)
@@ -18,8 +18,8 @@ output cotangent placed on each token's last copy:
     per chunk  dq~, dk (output, state update), dW, the decay's per-row part         chunk_o_bwd
     per chunk  the WY backward: dk, dv, dbeta; the decay's reverse cumulative sum   chunk_wy_bwd
 
-then sums dq and dk over the value heads of each key head, keeps dq from each token's last copy
-and dg from its first, and applies the L2 norm's backward, dx = (dy - y <y, dy>) / |x|_eps.
+then sums dq and dk over the value heads of each key head (dq exists on each token's last copy
+only, where q~ sits), keeps dg from each token's first copy, and applies the L2 norm's backward, dx = (dy - y <y, dy>) / |x|_eps.
 The chunk states are recomputed rather than saved, as FLA and jax-linear-attention do: one scan
 costs less than writing and reading back a state per chunk.
 """
@@ -159,9 +159,7 @@ def _backward(q, k, v, g, beta, initial_state, cu_seqlens, Ai, gx, rk, do, dht, 
     kn = (kp.astype(jnp.float32) * rk[..., None]).astype(dtype)
   else:
     qn, kn = qp, kp
-  q_x = jnp.zeros((TT, M, H, K), dtype).at[:, M - 1].set(qn).reshape(R, H, K)
-  do_x = jnp.zeros((TT, M, HV, V), dtype).at[:, M - 1].set(
-      do.reshape(TT, HV, V).astype(dtype)).reshape(R, HV, V)
+  do_t = do.reshape(TT, HV, V).astype(dtype)
 
   ph = _launch.placeholder
   f32 = jnp.float32
@@ -169,11 +167,11 @@ def _backward(q, k, v, g, beta, initial_state, cu_seqlens, Ai, gx, rk, do, dht, 
   cfg = static.config
   bv = min(cfg.h_bv if K <= 128 else cfg.h_bv_big_k, max(16, 1 << (V - 1).bit_length()))
   dh, dvp, dh0 = _launch.call(
-      "chunk_h_bwd.chunk_h_bwd_kernel", q_x, kn, gx if use_g else ph(), beta_p, Ai, do_x,
+      "chunk_h_bwd.chunk_h_bwd_kernel", qn, kn, gx if use_g else ph(), beta_p, Ai, do_t,
       dht.astype(f32) if dht is not None else ph(), cu, offsets_x, float(static.scale),
       grid=(N * HV, -(-V // bv)),
-      out_shape=[jax.ShapeDtypeStruct((n_rows_x, HV, K, V), f32),
-                 jax.ShapeDtypeStruct((R, HV, V), f32),
+      out_shape=[jax.ShapeDtypeStruct((n_rows_x, HV, K, V), dtype),
+                 jax.ShapeDtypeStruct((R, HV, V), dtype),
                  jax.ShapeDtypeStruct((N, HV, K, V) if initial_state is not None else (1,), f32)],
       # float32 inputs stage ieee-dot operands in shared memory: 2 stages need 329 KB at K=256
       # (over the H200's 227 KB, sm_90 compile), 1 stage fits.
@@ -182,11 +180,12 @@ def _backward(q, k, v, g, beta, initial_state, cu_seqlens, Ai, gx, rk, do, dht, 
       USE_DH0=initial_state is not None, DOT_PRECISION=prec)
 
   nk = -(-K // _BK)
-  dq_x, dk_o, dw, dg_k = _launch.call(
-      "chunk_o_bwd.chunk_o_bwd_kernel", q_x, kn, v_new, h_x, do_x, dh, dvp,
+  dq_v, dk_o, dw, dg_k = _launch.call(
+      "chunk_o_bwd.chunk_o_bwd_kernel", qn, kn, v_new, h_x, do_t, dh, dvp,
       gx if use_g else ph(), cu, desc_x, float(static.scale),
       grid=(desc_x.shape[0], HV, nk),
-      out_shape=[jax.ShapeDtypeStruct((R, HV, K), f32)] * 3
+      out_shape=[jax.ShapeDtypeStruct((TT, HV, K), f32)]
+      + [jax.ShapeDtypeStruct((R, HV, K), f32)] * 2
       + [jax.ShapeDtypeStruct((R, HV, nk) if use_g else (1,), f32)],
       backend=backend, num_warps=cfg.o_warps, num_stages=2,
       H=H, HV=HV, K=K, V=V, M=M, BT=BT, BK=_BK, BV=_BV, NK=nk, USE_G=use_g,
@@ -205,7 +204,7 @@ def _backward(q, k, v, g, beta, initial_state, cu_seqlens, Ai, gx, rk, do, dht, 
       DOT_PRECISION=prec)
 
   # Per key head: the value heads of a group share q and k.
-  dq = dq_x.reshape(TT, M, H, G, K)[:, M - 1].sum(2)
+  dq = dq_v.reshape(TT, H, G, K).sum(2)
   dk = dk_x.reshape(R, H, G, K).sum(2)
   if static.use_qk_l2norm_in_kernel:
     dq = _l2norm_bwd(qp, dq)

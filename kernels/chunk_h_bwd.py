@@ -1,7 +1,9 @@
 """Backward of the state scan: the reverse pass over the chunks (docs/algorithm.md §13.1).
 
 The backward works on the expanded stream as Gated DeltaNet (§2.2): the query sits on the last
-copy of each token (q~, zero on the other rows) and so does the output cotangent (do~). For
+copy of each token (q~, zero on the other rows) and so does the output cotangent (do~). Both are
+read from the token stream (row r of the expanded stream is copy r % M of token r // M), so the
+expanded q~ and do~ are never formed in memory. For
 expanded chunk e of one sequence and value head, with S the state entering it, rows a, b in
 0..63, chunk-local log2 decays G (Gx), Gamma = 2^G, g_C = G of the chunk's last valid row,
 T = (I + A)^-1 and Kb = diag(beta Gamma) K (so W = T Kb):
@@ -13,8 +15,9 @@ T = (I + A)^-1 and Kb = diag(beta Gamma) K (so W = T Kb):
 One program carries the [K, BV] column slice of dS in float32 registers (64-row tiles, as the
 forward scan) from the final-state cotangent (or zeros) back to the sequence start, and writes
 per chunk the dS it received (dh, the cotangent of the state leaving the chunk, read by
-chunk_o_bwd) and dV' (read by chunk_o_bwd and chunk_wy_bwd); dS at the end is the initial-state
-cotangent. An empty sequence passes dht straight to dh0.
+chunk_o_bwd) and dV' (read by chunk_o_bwd and chunk_wy_bwd), both in the dtype of their buffers
+(the input dtype: a bf16 dh halves the largest read of chunk_o_bwd); dS at the end is the
+initial-state cotangent, in float32. An empty sequence passes dht straight to dh0.
 
 No operand of a dot is the transpose of another dot's result: Triton 3.4 to 3.7.0 miscompiles
 that pattern on Hopper (FLA #640). Transposed operands are loaded transposed from memory.
@@ -28,11 +31,11 @@ from .chunk_h import _load_state, _row_tile, _row_tile_t, _store_state
 
 
 @triton.jit
-def _tile_update(b_dh, b_decay, p_q, p_k, row, mask_r, i_t, o_k, b_gq, b_kb, b_do, b_x,
-                 scale, H: tl.constexpr, K: tl.constexpr, USE_G: tl.constexpr,
+def _tile_update(b_dh, b_decay, p_q, p_k, tok, mask_q, row, mask_r, i_t, o_k, b_gq, b_kb, b_do,
+                 b_x, scale, H: tl.constexpr, K: tl.constexpr, USE_G: tl.constexpr,
                  DOT_PRECISION: tl.constexpr):
   """64-row tile i_t of dS <- decay dS + scale (Gamma Q~)^T do~ - Kb^T X, X = T^T dV'."""
-  b_qt = _row_tile_t(p_q, row, mask_r, i_t, o_k, H * K, K)
+  b_qt = _row_tile_t(p_q, tok, mask_q, i_t, o_k, H * K, K)
   b_kt = _row_tile_t(p_k, row, mask_r, i_t, o_k, H * K, K)
   b_qt = (b_qt.to(tl.float32) * b_gq[None, :]).to(b_do.dtype)
   b_kt = (b_kt.to(tl.float32) * b_kb[None, :]).to(b_do.dtype)
@@ -46,19 +49,19 @@ def _tile_update(b_dh, b_decay, p_q, p_k, row, mask_r, i_t, o_k, b_gq, b_kb, b_d
 @triton.jit
 def chunk_h_bwd_kernel(
     # inputs
-    q,              # [T*M, H, K] q~: (normalised) queries on each token's last copy, else 0
+    q,              # [T, H, K] (normalised) queries, input dtype: q~ on each token's last copy
     k,              # [T*M, H, K] (normalised) keys, input dtype
     g_cum,          # [T*M, HV] float32 Gx (log2 units); a placeholder when USE_G is False
     beta,           # [T*M, HV] float32
     Ai,             # [T*M, HV, BT] (I + A)^-1, input dtype
-    do,             # [T*M, HV, V] do~: output cotangent on each token's last copy, else 0
+    do,             # [T, HV, V] output cotangent, input dtype: do~ on each last copy
     dht,            # [N, HV, K, V] float32 final-state cotangent; placeholder unless USE_DHT
     cu_seqlens,     # [N+1] int32 token-stream sequence starts
     chunk_offsets,  # [N+1] int32 first row of each sequence in dh (expanded chunks)
     scale,          # float32 query scale
     # outputs
-    dh,             # [NXR, HV, K, V] float32 cotangent of the state leaving each chunk
-    dv,             # [T*M, HV, V] float32 dV'
+    dh,             # [NXR, HV, K, V] cotangent of the state leaving each chunk, input dtype
+    dv,             # [T*M, HV, V] dV', input dtype
     dh0,            # [N, HV, K, V] float32 initial-state cotangent; placeholder unless USE_DH0
     # sizes
     H: tl.constexpr,
@@ -107,9 +110,12 @@ def chunk_h_bwd_kernel(
     o_r = i_e * BT + o_a
     mask_r = o_r < len_x
     row = bos_x + o_r
+    tok = row // M
+    mask_q = mask_r & (row % M == M - 1)
     m_rv = mask_r[:, None] & mask_v[None, :]
     off_v = row[:, None] * (HV * V) + i_hv * V + o_v[None, :]
-    b_do = tl.load(do + off_v, mask=m_rv, other=0.).to(k.dtype.element_ty)
+    b_do = tl.load(do + tok[:, None] * (HV * V) + i_hv * V + o_v[None, :],
+                   mask=mask_q[:, None] & mask_v[None, :], other=0.).to(k.dtype.element_ty)
     b_beta = tl.load(beta + row * HV + i_hv, mask=mask_r, other=0.)
     if USE_G:
       b_g = tl.load(g_cum + row * HV + i_hv, mask=mask_r, other=0.)
@@ -130,22 +136,22 @@ def chunk_h_bwd_kernel(
 
     # P^T = K Q~^T (rows b, columns a), from the key tiles and the transposed query tiles.
     b_k1 = _row_tile(p_k, row, mask_r, 0, o_k, H * K, K)
-    b_pt = tl.dot(b_k1, _row_tile_t(p_q, row, mask_r, 0, o_k, H * K, K),
+    b_pt = tl.dot(b_k1, _row_tile_t(p_q, tok, mask_q, 0, o_k, H * K, K),
                   input_precision=DOT_PRECISION)
     b_k2 = b_k1
     b_k3 = b_k1
     b_k4 = b_k1
     if K > 64:
       b_k2 = _row_tile(p_k, row, mask_r, 1, o_k, H * K, K)
-      b_pt += tl.dot(b_k2, _row_tile_t(p_q, row, mask_r, 1, o_k, H * K, K),
+      b_pt += tl.dot(b_k2, _row_tile_t(p_q, tok, mask_q, 1, o_k, H * K, K),
                      input_precision=DOT_PRECISION)
     if K > 128:
       b_k3 = _row_tile(p_k, row, mask_r, 2, o_k, H * K, K)
-      b_pt += tl.dot(b_k3, _row_tile_t(p_q, row, mask_r, 2, o_k, H * K, K),
+      b_pt += tl.dot(b_k3, _row_tile_t(p_q, tok, mask_q, 2, o_k, H * K, K),
                      input_precision=DOT_PRECISION)
     if K > 192:
       b_k4 = _row_tile(p_k, row, mask_r, 3, o_k, H * K, K)
-      b_pt += tl.dot(b_k4, _row_tile_t(p_q, row, mask_r, 3, o_k, H * K, K),
+      b_pt += tl.dot(b_k4, _row_tile_t(p_q, tok, mask_q, 3, o_k, H * K, K),
                      input_precision=DOT_PRECISION)
     b_pt = b_pt * b_dec * scale
     b_dv = tl.dot(b_pt.to(b_do.dtype), b_do, input_precision=DOT_PRECISION)
@@ -161,24 +167,24 @@ def chunk_h_bwd_kernel(
     if K > 192:
       b_dv += tl.dot((b_k4.to(tl.float32) * b_kdec[:, None]).to(b_do.dtype),
                      b_dh4.to(b_do.dtype), input_precision=DOT_PRECISION)
-    tl.store(dv + off_v, b_dv, mask=m_rv)
+    tl.store(dv + off_v, b_dv.to(dv.dtype.element_ty), mask=m_rv)
 
     # X = T^T dV', with T^T loaded transposed: X[b] = sum_a T[a, b] dV'[a].
     b_ait = tl.load(Ai + row[None, :] * (HV * BT) + i_hv * BT + o_a[:, None],
                     mask=mask_r[None, :], other=0.)
     b_x = tl.dot(b_ait, b_dv.to(b_ait.dtype), input_precision=DOT_PRECISION).to(b_do.dtype)
     b_kb = b_beta * b_gam
-    b_dh1 = _tile_update(b_dh1, b_decay, p_q, p_k, row, mask_r, 0, o_k, b_gam, b_kb, b_do, b_x,
-                         scale, H, K, USE_G, DOT_PRECISION)
+    b_dh1 = _tile_update(b_dh1, b_decay, p_q, p_k, tok, mask_q, row, mask_r, 0, o_k, b_gam,
+                         b_kb, b_do, b_x, scale, H, K, USE_G, DOT_PRECISION)
     if K > 64:
-      b_dh2 = _tile_update(b_dh2, b_decay, p_q, p_k, row, mask_r, 1, o_k, b_gam, b_kb, b_do,
-                           b_x, scale, H, K, USE_G, DOT_PRECISION)
+      b_dh2 = _tile_update(b_dh2, b_decay, p_q, p_k, tok, mask_q, row, mask_r, 1, o_k, b_gam,
+                           b_kb, b_do, b_x, scale, H, K, USE_G, DOT_PRECISION)
     if K > 128:
-      b_dh3 = _tile_update(b_dh3, b_decay, p_q, p_k, row, mask_r, 2, o_k, b_gam, b_kb, b_do,
-                           b_x, scale, H, K, USE_G, DOT_PRECISION)
+      b_dh3 = _tile_update(b_dh3, b_decay, p_q, p_k, tok, mask_q, row, mask_r, 2, o_k, b_gam,
+                           b_kb, b_do, b_x, scale, H, K, USE_G, DOT_PRECISION)
     if K > 192:
-      b_dh4 = _tile_update(b_dh4, b_decay, p_q, p_k, row, mask_r, 3, o_k, b_gam, b_kb, b_do,
-                           b_x, scale, H, K, USE_G, DOT_PRECISION)
+      b_dh4 = _tile_update(b_dh4, b_decay, p_q, p_k, tok, mask_q, row, mask_r, 3, o_k, b_gam,
+                           b_kb, b_do, b_x, scale, H, K, USE_G, DOT_PRECISION)
 
   if USE_DH0:
     p_dh0 = dh0 + (i_n.to(tl.int64) * HV + i_hv) * (K * V)

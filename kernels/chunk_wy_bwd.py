@@ -38,7 +38,7 @@ def chunk_wy_bwd_kernel(
     g_cum,       # [T*M, HV] float32 Gx; a placeholder when USE_G is False
     Ai,          # [T*M, HV, BT] (I + A)^-1, input dtype
     dw,          # [T*M, HV, K] float32 from chunk_o_bwd
-    du,          # [T*M, HV, V] float32 dV' from chunk_h_bwd
+    du,          # [T*M, HV, V] dV' from chunk_h_bwd, input dtype
     dk_in,       # [T*M, HV, K] float32 from chunk_o_bwd
     dg_in,       # [T*M, HV, NK] float32 from chunk_o_bwd; a placeholder when USE_G is False
     cu_seqlens,  # [N+1] int32 token-stream sequence starts
