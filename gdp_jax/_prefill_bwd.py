@@ -6,22 +6,24 @@ and initial_state (with the final state's cotangent when output_final_state); ot
 the plain forward, whose launches refuse differentiation with a message naming what is
 differentiable.
 
-The forward rule is the plain forward, which also hands back three of its intermediates (the
-per-chunk inverse Ai, the expanded-stream cumulative decays Gx and the key row factors): a
-plain forward call never goes through it, so it pays nothing for training. The backward
-(docs/algorithm.md §13.1) runs on the expanded stream as Gated DeltaNet, with the query and the
-output cotangent placed on each token's last copy (the kernels read both from the token stream):
+The forward rule is the plain forward with its scan run on the expanded stream as M = 1
+(`return_residuals`), so that it checkpoints the state entering every expanded chunk, and it
+hands back that and five more intermediates (the per-chunk inverse Ai, the expanded-stream
+cumulative decays Gx, the key row factors, V'): a plain forward call never goes through it, so
+it pays nothing for training. The backward (docs/algorithm.md §13.1) runs on the expanded stream
+as Gated DeltaNet, with the query and the output cotangent placed on each token's last copy (the
+kernels read both from the token stream):
 
-    recompute  the state entering every expanded chunk and V' (chunk_h, stage 4 inside, with
-               M = 1 on the expanded stream so that it checkpoints every chunk)
     reverse    dS from the final-state cotangent back to dh0; per chunk dh and dV'  chunk_h_bwd
     per chunk  dq~, dk (output, state update), dW, the decay's per-row part         chunk_o_bwd
     per chunk  the WY backward: dk, dv, dbeta; the decay's reverse cumulative sum   chunk_wy_bwd
 
 then sums dq and dk over the value heads of each key head (dq exists on each token's last copy
-only, where q~ sits), keeps dg from each token's first copy, and applies the L2 norm's backward, dx = (dy - y <y, dy>) / |x|_eps.
-The chunk states are recomputed rather than saved, as FLA and jax-linear-attention do: one scan
-costs less than writing and reading back a state per chunk.
+only, where q~ sits), keeps dg from each token's first copy, and applies the L2 norm's
+backward, dx = (dy - y <y, dy>) / |x|_eps. The chunk states are saved by the forward rather
+than recomputed (FLA and jax-linear-attention recompute them with a second scan): a checkpoint
+per expanded chunk costs the forward's scan little, while the second scan is a sequential walk
+of every chunk (docs/performance.md).
 """
 from __future__ import annotations
 
@@ -33,7 +35,6 @@ import jax.numpy as jnp
 
 from gdp_jax import _launch
 from gdp_jax import _prefill_kernels as pk
-from gdp_jax.reference.chunked import chunk_offsets
 
 BT = pk.BT
 _BK = 64  # the backward's K blocks (chunk_o_bwd's grid axis, chunk_wy_bwd's loops)
@@ -103,9 +104,9 @@ def _prefill_fwd(q, k, v, g, beta, initial_state, cu_seqlens, static):
 
 
 def _prefill_bwd(static, saved, cotangents):
-  q, k, v, g, beta, initial_state, cu_seqlens, (Ai, gx, rk) = saved
+  q, k, v, g, beta, initial_state, cu_seqlens, res = saved
   do, dht = cotangents
-  grads = _backward(q, k, v, g, beta, initial_state, cu_seqlens, Ai, gx, rk, do,
+  grads = _backward(q, k, v, g, beta, initial_state, cu_seqlens, res, do,
                     dht if static.output_final_state else None, static)
   return grads + (None,)
 
@@ -126,8 +127,9 @@ def _l2norm_bwd(x, dy):
   return r * (dy - y * jnp.sum(y * dy, -1, keepdims=True))
 
 
-def _backward(q, k, v, g, beta, initial_state, cu_seqlens, Ai, gx, rk, do, dht, static):
+def _backward(q, k, v, g, beta, initial_state, cu_seqlens, res, do, dht, static):
   """(dq, dk, dv, dg, dbeta, dh0), each in its input's dtype (None for an absent input)."""
+  Ai, gx, rk, h_x, v_new = res
   M = static.num_householder
   backend = static.backend
   B, T, H, K = q.shape
@@ -144,14 +146,7 @@ def _backward(q, k, v, g, beta, initial_state, cu_seqlens, Ai, gx, rk, do, dht, 
             else beta.reshape(R, HV).astype(jnp.float32))
   N, cu, _, desc_x, _ = pk._packing(B, T, M, cu_seqlens)
   n_rows_x = desc_x.shape[0]
-  offsets_x = chunk_offsets(cu * M)
-
-  # The states entering every expanded chunk: the forward scan on the expanded stream seen as
-  # one row per token (M = 1 over M * cu_seqlens), so that it checkpoints every chunk.
-  h_x, _, v_new, _ = pk._scan(
-      kp, None, None, gx, cu * M, offsets_x, n_rows_x, M=1, h0=initial_state,
-      state_indices=None, final_kind="none", h_dtype=dtype, snap_dtype=None, backend=backend,
-      rk=rk, fused_wy=(vp, beta_p, Ai))
+  offsets_x = pk.chunk_offsets(cu * M)
 
   # The backward kernels take the normalised rows themselves.
   if static.use_qk_l2norm_in_kernel:

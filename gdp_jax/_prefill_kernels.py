@@ -356,10 +356,14 @@ def _chunk_gated_delta_product_fwd(
     return_chunk_states: also return the state entering every 64-token chunk.
     chunk_states_dtype: dtype of those; None: the cache's, else initial_state's, else k's.
     backend: "triton" or "interpret".
-    return_residuals: also return what the backward reuses (`_prefill_bwd`): the per-chunk
-      inverse Ai [B*T*M, HV, 64] in k.dtype, the expanded-stream log2 cumulative decays Gx
-      [B*T*M, HV] float32 (None without g) and the key row factors [B*T*M, H] float32 (None
-      without the L2 norm). They are intermediates of every forward, so asking costs nothing.
+    return_residuals: also return what the backward reuses (`_prefill_bwd`; only without
+      `state` and `return_chunk_states`): the per-chunk inverse Ai [B*T*M, HV, 64] in k.dtype,
+      the expanded-stream log2 cumulative decays Gx [B*T*M, HV] float32 (None without g), the
+      key row factors [B*T*M, H] float32 (None without the L2 norm), the state entering every
+      expanded chunk h_x [NXD, HV, K, V] in k.dtype (expanded chunk j of sequence n at row
+      chunk_offsets(M * cu_seqlens)[n] + j) and v_new [B*T*M, HV, V]. The first three are
+      intermediates of every forward; h_x costs the scan a checkpoint per expanded chunk
+      instead of per token chunk, and a gather.
 
   Returns:
     (o, final_state), plus chunk_states when `return_chunk_states`, plus the residuals last
@@ -424,10 +428,24 @@ def _chunk_gated_delta_product_fwd(
       h_dtype = want
     else:
       snap_dtype = want
-  h, h_snap, v_new, final = _scan(
-      k, w, u, gx, cu, offsets, n_rows, M=M, h0=h0, state_indices=state_indices,
-      final_kind=final_kind, h_dtype=h_dtype, snap_dtype=snap_dtype, backend=backend,
-      rk=rk, fused_wy=(v, beta, Ai) if wy_in_scan else None)
+  if return_residuals:
+    # The backward wants the state entering every expanded chunk: the scan on the expanded
+    # stream seen as one row per token (M = 1 over M * cu_seqlens) checkpoints each, and stage 6
+    # reads every M-th, the first expanded chunk of each token chunk (a gather of 1/M of them,
+    # cheaper than a second scan in the backward).
+    offsets_x = chunk_offsets(cu * M)
+    h_x, _, v_new, final = _scan(
+        k, w, u, gx, cu * M, offsets_x, desc_x.shape[0], M=1, h0=h0, state_indices=None,
+        final_kind=final_kind, h_dtype=dtype, snap_dtype=None, backend=backend, rk=rk,
+        fused_wy=(v, beta, Ai) if wy_in_scan else None)
+    seq, c = desc_t[:, 0], desc_t[:, 1]
+    h = jnp.take(h_x, jnp.where(seq >= 0, offsets_x[jnp.maximum(seq, 0)] + c * M, 0), axis=0)
+    h_snap = None
+  else:
+    h, h_snap, v_new, final = _scan(
+        k, w, u, gx, cu, offsets, n_rows, M=M, h0=h0, state_indices=state_indices,
+        final_kind=final_kind, h_dtype=h_dtype, snap_dtype=snap_dtype, backend=backend,
+        rk=rk, fused_wy=(v, beta, Ai) if wy_in_scan else None)
   S = state.shape[0] if state is not None else N
   o = _output(q, k, v_new, h, g, state_indices, S, cu, desc_t, M=M, scale=scale,
               out_dtype=out_dtype, backend=backend, rk=rk)
@@ -449,5 +467,5 @@ def _chunk_gated_delta_product_fwd(
       states = states.reshape(B, -(-T // BT), HV, K, V)
     outputs = outputs + (states,)
   if return_residuals:
-    outputs = outputs + ((Ai, gx, rk),)
+    outputs = outputs + ((Ai, gx, rk, h_x, v_new),)
   return outputs
