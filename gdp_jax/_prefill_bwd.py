@@ -14,6 +14,7 @@ it pays nothing for training. The backward (docs/algorithm.md §13.1) runs on th
 as Gated DeltaNet, with the query and the output cotangent placed on each token's last copy (the
 kernels read both from the token stream):
 
+    per chunk  dV's part inside the chunk, P^T do~                                 chunk_dv_bwd
     reverse    dS from the final-state cotangent back to dh0; per chunk dh and dV'  chunk_h_bwd
     per chunk  dq~, dk (output, state update), dW, the decay's per-row part         chunk_o_bwd
     per chunk  the WY backward: dk, dv, dbeta; the decay's reverse cumulative sum   chunk_wy_bwd
@@ -161,8 +162,17 @@ def _backward(q, k, v, g, beta, initial_state, cu_seqlens, res, do, dht, static)
   use_g = gx is not None
   cfg = static.config
   bv = min(cfg.h_bv if K <= 128 else cfg.h_bv_big_k, max(16, 1 << (V - 1).bit_length()))
+  (dv_local,) = _launch.call(
+      "chunk_dv_bwd.chunk_dv_local_kernel", qn, kn, do_t, gx if use_g else ph(), cu, desc_x,
+      float(static.scale),
+      grid=(desc_x.shape[0], HV),
+      out_shape=[jax.ShapeDtypeStruct((R, HV, V), dtype)],
+      backend=backend, num_warps=cfg.wy_warps, num_stages=2,
+      H=H, HV=HV, K=K, V=V, M=M, BT=BT, BK=_BK, BV=_BV, USE_G=use_g, DOT_PRECISION=prec)
+
   dh, dvp, dh0 = _launch.call(
       "chunk_h_bwd.chunk_h_bwd_kernel", qn, kn, gx if use_g else ph(), beta_p, Ai, do_t,
+      dv_local,
       dht.astype(f32) if dht is not None else ph(), cu, offsets_x, float(static.scale),
       grid=(N * HV, -(-V // bv)),
       out_shape=[jax.ShapeDtypeStruct((n_rows_x, HV, K, V), dtype),

@@ -1,23 +1,23 @@
 """Backward of the state scan: the reverse pass over the chunks (docs/algorithm.md §13.1).
 
 The backward works on the expanded stream as Gated DeltaNet (§2.2): the query sits on the last
-copy of each token (q~, zero on the other rows) and so does the output cotangent (do~). Both are
-read from the token stream (row r of the expanded stream is copy r % M of token r // M), so the
-expanded q~ and do~ are never formed in memory. For
-expanded chunk e of one sequence and value head, with S the state entering it, rows a, b in
-0..63, chunk-local log2 decays G (Gx), Gamma = 2^G, g_C = G of the chunk's last valid row,
-T = (I + A)^-1 and Kb = diag(beta Gamma) K (so W = T Kb):
+copy of each token (q~, zero on the other rows) and so does the output cotangent (do~); both are
+read from the token stream (row r of the expanded stream is copy r % M of token r // M), never
+formed in memory. For expanded chunk e of one sequence and value head, with S the state entering
+it, rows a, b in 0..63, chunk-local log2 decays G (Gx), Gamma = 2^G, g_C = G of the chunk's last
+valid row, T = (I + A)^-1 and Kb = diag(beta Gamma) K (so W = T Kb):
 
-    P^T[b, a] = scale <k_b, q~_a> 2^(G_a - G_b)   for a >= b, both valid (else 0)
     dV'  = P^T do~ + diag(2^(g_C - G)) K dS            # dS: cotangent of the state leaving e
     dS  <- 2^g_C dS + scale (diag(Gamma) Q~)^T do~ - Kb^T (T^T dV')
 
-One program carries the [K, BV] column slice of dS in float32 registers (64-row tiles, as the
-forward scan) from the final-state cotangent (or zeros) back to the sequence start, and writes
-per chunk the dS it received (dh, the cotangent of the state leaving the chunk, read by
-chunk_o_bwd) and dV' (read by chunk_o_bwd and chunk_wy_bwd), both in the dtype of their buffers
-(the input dtype: a bf16 dh halves the largest read of chunk_o_bwd); dS at the end is the
-initial-state cotangent, in float32. An empty sequence passes dht straight to dh0.
+P^T do~ does not depend on dS: chunk_dv_bwd computes it for every chunk in parallel beforehand,
+which leaves the chain per chunk K dS, T^T dV' and the update. One program carries the [K, BV]
+column slice of dS in float32 registers (64-row tiles, as the forward scan) from the final-state
+cotangent (or zeros) back to the sequence start, and writes per chunk the dS it received (dh,
+the cotangent of the state leaving the chunk, read by chunk_o_bwd) and dV' (read by chunk_o_bwd
+and chunk_wy_bwd), both in the dtype of their buffers (the input dtype: a bf16 dh halves the
+largest read of chunk_o_bwd); dS at the end is the initial-state cotangent, in float32. An empty
+sequence passes dht straight to dh0.
 
 No operand of a dot is the transpose of another dot's result: Triton 3.4 to 3.7.0 miscompiles
 that pattern on Hopper (FLA #640). Transposed operands are loaded transposed from memory.
@@ -55,6 +55,7 @@ def chunk_h_bwd_kernel(
     beta,           # [T*M, HV] float32
     Ai,             # [T*M, HV, BT] (I + A)^-1, input dtype
     do,             # [T, HV, V] output cotangent, input dtype: do~ on each last copy
+    dv_local,       # [T*M, HV, V] P^T do~ (chunk_dv_bwd), input dtype
     dht,            # [N, HV, K, V] float32 final-state cotangent; placeholder unless USE_DHT
     cu_seqlens,     # [N+1] int32 token-stream sequence starts
     chunk_offsets,  # [N+1] int32 first row of each sequence in dh (expanded chunks)
@@ -124,47 +125,30 @@ def chunk_h_bwd_kernel(
       b_gam = tl.where(mask_r, tl.exp2(b_g), 0.)
       b_kdec = tl.where(mask_r, tl.exp2(b_g_last - b_g), 0.)
       b_decay = tl.exp2(b_g_last)
-      # A select: above the diagonal G_a - G_b > 0 may overflow exp2 to inf.
-      m_pt = (o_a[None, :] >= o_a[:, None]) & mask_r[:, None] & mask_r[None, :]
-      b_dec = tl.where(m_pt, tl.exp2(b_g[None, :] - b_g[:, None]), 0.)
     else:
       b_gam = tl.where(mask_r, 1., 0.)
       b_kdec = b_gam
       b_decay = 1.
-      b_dec = tl.where((o_a[None, :] >= o_a[:, None]) & mask_r[:, None] & mask_r[None, :],
-                       1., 0.)
 
-    # P^T = K Q~^T (rows b, columns a), from the key tiles and the transposed query tiles.
+    # dV' = P^T do~ (chunk_dv_bwd) + diag(2^(g_C - G)) K dS, dS rounded to the input dtype for
+    # the tensor cores.
     b_k1 = _row_tile(p_k, row, mask_r, 0, o_k, H * K, K)
-    b_pt = tl.dot(b_k1, _row_tile_t(p_q, tok, mask_q, 0, o_k, H * K, K),
-                  input_precision=DOT_PRECISION)
     b_k2 = b_k1
     b_k3 = b_k1
     b_k4 = b_k1
-    if K > 64:
-      b_k2 = _row_tile(p_k, row, mask_r, 1, o_k, H * K, K)
-      b_pt += tl.dot(b_k2, _row_tile_t(p_q, tok, mask_q, 1, o_k, H * K, K),
-                     input_precision=DOT_PRECISION)
-    if K > 128:
-      b_k3 = _row_tile(p_k, row, mask_r, 2, o_k, H * K, K)
-      b_pt += tl.dot(b_k3, _row_tile_t(p_q, tok, mask_q, 2, o_k, H * K, K),
-                     input_precision=DOT_PRECISION)
-    if K > 192:
-      b_k4 = _row_tile(p_k, row, mask_r, 3, o_k, H * K, K)
-      b_pt += tl.dot(b_k4, _row_tile_t(p_q, tok, mask_q, 3, o_k, H * K, K),
-                     input_precision=DOT_PRECISION)
-    b_pt = b_pt * b_dec * scale
-    b_dv = tl.dot(b_pt.to(b_do.dtype), b_do, input_precision=DOT_PRECISION)
-    # + diag(2^(g_C - G)) K dS, with dS rounded to the input dtype for the tensor cores.
+    b_dv = tl.load(dv_local + off_v, mask=m_rv, other=0.).to(tl.float32)
     b_dv += tl.dot((b_k1.to(tl.float32) * b_kdec[:, None]).to(b_do.dtype),
                    b_dh1.to(b_do.dtype), input_precision=DOT_PRECISION)
     if K > 64:
+      b_k2 = _row_tile(p_k, row, mask_r, 1, o_k, H * K, K)
       b_dv += tl.dot((b_k2.to(tl.float32) * b_kdec[:, None]).to(b_do.dtype),
                      b_dh2.to(b_do.dtype), input_precision=DOT_PRECISION)
     if K > 128:
+      b_k3 = _row_tile(p_k, row, mask_r, 2, o_k, H * K, K)
       b_dv += tl.dot((b_k3.to(tl.float32) * b_kdec[:, None]).to(b_do.dtype),
                      b_dh3.to(b_do.dtype), input_precision=DOT_PRECISION)
     if K > 192:
+      b_k4 = _row_tile(p_k, row, mask_r, 3, o_k, H * K, K)
       b_dv += tl.dot((b_k4.to(tl.float32) * b_kdec[:, None]).to(b_do.dtype),
                      b_dh4.to(b_do.dtype), input_precision=DOT_PRECISION)
     tl.store(dv + off_v, b_dv.to(dv.dtype.element_ty), mask=m_rv)
