@@ -22,10 +22,16 @@ $OUT/decode.json as soon as it exists, tables go to stdout):
    * relative errors of ours against the jnp reference (float32) and against fla: a Triton
      miscompile on Hopper shows here before it shows in a timing.
 4. A bfloat16 cache at N = 256, HV = 16.
-5. A config sweep (BV x num_warps through gdp_jax._configs.DECODE_OVERRIDE; --sweep-grid picks
-   the grid) at N = 256, 1, 8, HV = 16, D = 1, each config checked against the reference after
-   16 steps.
-6. (--parts profile, not in the default) A kernel profile of our 16-step loop (jax.profiler)
+5. Speculative steps (--parts spec) at N = 256, HV = 16, D in {2, 4, 8}: the verify step that
+   writes the state and D snapshots followed by `accept_draft_tokens` (the rollback copy),
+   against the step that starts from the previous step's snapshots through `num_accepted`
+   (random counts in 1..D) and writes only the snapshots; the plain D = 1 step and fla-core's
+   D-token step (no snapshots) beside them; both speculative paths checked bit for bit against
+   each other.
+6. A config sweep (BV x num_warps through the decode entry point's `config` argument;
+   --sweep-grid picks the grid) at N = 256, 1, 8, HV = 16, D = 1, each config checked against
+   the reference after 16 steps.
+7. (--parts profile, not in the default) A kernel profile of our 16-step loop (jax.profiler)
    and of fla-core's 16 eager steps (torch.profiler), CUPTI's device times per kernel: per step,
    how long kernels ran and the span they took, so launch gaps show apart from kernel time.
 
@@ -57,8 +63,8 @@ def parse_args():
                  help="stop starting rows after this many seconds")
   p.add_argument("--out", default=None, help="output folder (default $OUT or ./bench_out)")
   p.add_argument("--skip-fla", action="store_true")
-  p.add_argument("--parts", default="copy,first,main,bf16,sweep",
-                 help="comma-separated subset of copy,first,main,bf16,sweep,profile (e.g. "
+  p.add_argument("--parts", default="copy,first,main,bf16,spec,sweep",
+                 help="comma-separated subset of copy,first,main,bf16,spec,sweep,profile (e.g. "
                       "'copy,sweep' for a second call that only sweeps; 'profile' is not in "
                       "the default)")
   p.add_argument("--shapes", default=None,
@@ -69,9 +75,6 @@ def parse_args():
   p.add_argument("--sweep-grid", default=None,
                  help="the sweep's grid as 'N=256,1,8;BV=8,16,32,64;warps=1,2,4,8' (any subset; "
                       "the rest keep these defaults)")
-  p.add_argument("--gdp-kernel", choices=("fold", "native"), default=None,
-                 help="kernel behind gated_delta_product_decode (gdp_jax._configs."
-                      "GDP_DECODE_KERNEL); default: the library's")
   return p.parse_args()
 
 
@@ -99,9 +102,6 @@ class Bench:
     from gdp_jax import _configs
     common.fix_triton_cache()
     self.jax, self.jnp, self.np, self.gdp_jax, self.configs = jax, jnp, np, gdp_jax, _configs
-    if args.gdp_kernel:
-      _configs.GDP_DECODE_KERNEL = args.gdp_kernel
-    print(f"[decode] gated_delta_product_decode kernel: {_configs.GDP_DECODE_KERNEL}", flush=True)
     self.backend = "interpret" if self.smoke else "triton"
     self.loop_steps = 2 if self.smoke else LOOP_STEPS  # the interpreter is slow
     self.copy_Bps = None  # set by main() once measured
@@ -146,11 +146,9 @@ class Bench:
 
   # ------------------------------------------------------------------------------ functions
 
-  def step_fn(self, use_inter, steps=1):
-    """A jitted function running `steps` decode steps, cache (and snapshots) donated.
-
-    A new function object per call, so jax traces it again and reads DECODE_OVERRIDE afresh.
-    """
+  def step_fn(self, use_inter, steps=1, config=None):
+    """A jitted function running `steps` decode steps, cache (and snapshots) donated; `config`
+    overrides the kernel's DecodeConfig (None: the library's)."""
     jax, gdp_jax, M, backend = self.jax, self.gdp_jax, self.M, self.backend
 
     def f(state, inter, q, k, v, g, beta, slots):
@@ -158,7 +156,8 @@ class Bench:
       for _ in range(steps):
         out = gdp_jax.gated_delta_product_decode(
             q, k, v, g, beta, num_householder=M, state=state, state_indices=slots,
-            intermediate_states=inter, use_qk_l2norm_in_kernel=True, backend=backend)
+            intermediate_states=inter, use_qk_l2norm_in_kernel=True, config=config,
+            backend=backend)
         o, state = out[0], out[1]
         if use_inter:
           inter = out[2]
@@ -185,12 +184,13 @@ class Bench:
 
     return f(f32(state), f32(inter), x["q"], x["k"], x["v"], x["g"], x["beta"], slots)
 
-  def run_chain(self, fn, state, inter, x, slots):
+  def run_chain(self, fn, state, inter, x, slots, *extra):
     """A zero-argument callable that runs `fn` once, threading the donated buffers."""
     box = {"state": state, "inter": inter}
 
     def call():
-      o, s, i = fn(box["state"], box["inter"], x["q"], x["k"], x["v"], x["g"], x["beta"], slots)
+      o, s, i = fn(box["state"], box["inter"], x["q"], x["k"], x["v"], x["g"], x["beta"], slots,
+                   *extra)
       box["state"], box["inter"] = s, i
       return o, s
 
@@ -230,7 +230,7 @@ class Bench:
   def main_row(self, row):
     N, HV, D, S, sdt = row["N"], row["HV"], row["D"], row["S"], row["state_dtype"]
     use_inter = D > 1
-    cfg = self.configs.decode_config(N, HV, self.K, self.V)
+    cfg = self.configs.decode_config(self.K, self.V)
     row["cfg"] = f"BV{cfg.BV}w{cfg.num_warps}"
     x, state, slots, inter = self.inputs(N, HV, D, S, sdt, seed=N * 1000 + HV * 10 + D)
     nchk = min(N, CHECK_ROWS)
@@ -332,12 +332,87 @@ class Bench:
                          unit="step")
     common.free_device_memory()
 
+  def spec_fn(self, mode, steps=1):
+    """`steps` speculative steps in one jit, cache and snapshots donated. mode "accept": the
+    verify step writes the state and the snapshots, then `accept_draft_tokens` copies each
+    request's accepted snapshot into the cache; mode "num_accepted": the step starts from the
+    previous step's snapshot selected by `num_accepted` and writes only the snapshots."""
+    jax, gdp_jax, M, backend = self.jax, self.gdp_jax, self.M, self.backend
+
+    def f(state, inter, q, k, v, g, beta, slots, num):
+      o = None
+      for _ in range(steps):
+        kw = dict(num_householder=M, state=state, state_indices=slots, intermediate_states=inter,
+                  use_qk_l2norm_in_kernel=True, backend=backend)
+        if mode == "accept":
+          o, state, inter = gdp_jax.gated_delta_product_decode(q, k, v, g, beta, **kw)
+          state = gdp_jax.accept_draft_tokens(state, inter, slots, num)
+        else:
+          o, state, inter = gdp_jax.gated_delta_product_decode(q, k, v, g, beta, **kw,
+                                                               num_accepted=num)
+      return o, state, inter
+
+    return jax.jit(f, donate_argnums=(0, 1))
+
+  def spec_inputs(self, N, HV, D, S, seed):
+    """Inputs of a speculative step: the snapshots hold states (the new path reads them), and
+    the accepted counts are random in 1..D."""
+    jnp, np = self.jnp, self.np
+    x, state, slots, _ = self.inputs(N, HV, D, S, seed=seed)
+    inter = jnp.broadcast_to(state[:, None], (S, D) + state.shape[1:]) * jnp.linspace(
+        0.5, 1.5, D, dtype=jnp.float32)[None, :, None, None, None]
+    num = jnp.asarray(np.random.default_rng(seed).integers(1, D + 1, N), jnp.int32)
+    return x, state, slots, inter, num
+
+  def spec_row(self, row):
+    """The old verify + rollback copy against the new step, at one (N, HV, D)."""
+    N, HV, D, S = row["N"], row["HV"], row["D"], row["S"]
+    x, state, slots, inter, num = self.spec_inputs(N, HV, D, S, seed=N + D)
+    # Bitwise: the new step equals the rollback copy followed by the old step.
+    old, new = self.spec_fn("accept"), self.spec_fn("num_accepted")
+    rolled = self.gdp_jax.accept_draft_tokens(state, inter, slots, num)
+    o_old, _, i_old = self.step_fn(True)(rolled, self.copy(inter), x["q"], x["k"], x["v"],
+                                         x["g"], x["beta"], slots)
+    o_new, _, i_new = new(self.copy(state), self.copy(inter), x["q"], x["k"], x["v"], x["g"],
+                          x["beta"], slots, num)
+    live = slots[:CHECK_ROWS]
+    same = lambda a, b: self.np.asarray(a).tobytes() == self.np.asarray(b).tobytes()
+    row["same_bits"] = same(o_old, o_new) and same(i_old[live], i_new[live])
+    del rolled, o_old, i_old, o_new, i_new
+    per_state = HV * self.K * self.V * 4
+    # State-sizes moved per step: old 1 read + 1 write + D snapshots + the copy (read + write);
+    # new 1 read + D snapshots.
+    row["bytes_accept"] = N * per_state * (4 + D)
+    row["bytes_new"] = N * per_state * (1 + D)
+    for mode, key in (("accept", "accept"), ("num_accepted", "new")):
+      loop = self.spec_fn(mode, steps=self.loop_steps)
+      x, state, slots, inter, num = self.spec_inputs(N, HV, D, S, seed=N + D)
+      t = common.time_jax(self.run_chain(loop, state, inter, x, slots, num))
+      row[f"{key}_loop_ms"], row[f"{key}_spread"] = t["ms"] / self.loop_steps, t["spread"]
+      row[f"{key}_TBps"] = row[f"bytes_{key}"] / (row[f"{key}_loop_ms"] * 1e-3) / 1e12
+      del state, inter
+      common.free_device_memory()
+    # The plain D = 1 step at the same N, HV, the yardstick of the target ratio.
+    x1, state1, slots1, _ = self.inputs(N, HV, 1, S, seed=5)
+    loop = self.step_fn(False, steps=self.loop_steps)
+    t = common.time_jax(self.run_chain(loop, state1, None, x1, slots1))
+    row["d1_loop_ms"] = t["ms"] / self.loop_steps
+    row["new_over_d1"] = row["new_loop_ms"] / row["d1_loop_ms"]
+    row["accept_over_d1"] = row["accept_loop_ms"] / row["d1_loop_ms"]
+    del state1
+    if self.fla is not None:
+      fla_step = self.fla_step_fn(x, self.inputs(N, HV, D, S, seed=6)[1], slots)
+      row["fla_graph_ms"] = common.time_torch_graph(fla_step, steps=self.loop_steps)
+      row["new_over_fla_graph"] = row["new_loop_ms"] / row["fla_graph_ms"]
+      del fla_step
+    common.free_device_memory()
+
   def sweep_shape(self, results, N, HV, D, bvs, warps, budget):
     """Every (BV, num_warps) at one shape: 16 steps from the same cache, against the reference."""
     S = N
     x, state0, slots, inter0 = self.inputs(N, HV, D, S, seed=7)
     ref_o, ref_state = self.reference(x, state0, slots, inter0, steps=self.loop_steps)
-    default = self.configs.decode_config(N, HV, self.K, self.V)
+    default = self.configs.decode_config(self.K, self.V)
     rows = []
     for BV in bvs:
       for w in warps:
@@ -346,21 +421,18 @@ class Bench:
                    is_default=(BV == default.BV and w == default.num_warps))
 
         def body(row, BV=BV, w=w):
-          self.configs.DECODE_OVERRIDE = self.configs.DecodeConfig(BV=BV, num_warps=w)
-          try:
-            loop = self.step_fn(D > 1, steps=self.loop_steps)  # traced now, under the override
-            o, st, _ = loop(self.copy(state0), self.copy(inter0), x["q"], x["k"], x["v"], x["g"],
-                            x["beta"], slots)
-            row["err_ref"] = common.worst(common.rel_err(o, ref_o),
-                                 common.rel_err(st[slots[:CHECK_ROWS]],
-                                                ref_state[slots[:CHECK_ROWS]]))
-            t = common.time_jax(self.run_chain(loop, st, None if D == 1 else self.copy(inter0),
-                                               x, slots))
-            row["loop_ms"], row["spread"] = t["ms"] / self.loop_steps, t["spread"]
-            row["TBps"] = (self.state_bytes(N, HV, D, "float32", D > 1)
-                           / (row["loop_ms"] * 1e-3) / 1e12)
-          finally:
-            self.configs.DECODE_OVERRIDE = None
+          cfg = self.configs.DecodeConfig(BV=BV, num_warps=w)
+          loop = self.step_fn(D > 1, steps=self.loop_steps, config=cfg)
+          o, st, _ = loop(self.copy(state0), self.copy(inter0), x["q"], x["k"], x["v"], x["g"],
+                          x["beta"], slots)
+          row["err_ref"] = common.worst(common.rel_err(o, ref_o),
+                               common.rel_err(st[slots[:CHECK_ROWS]],
+                                              ref_state[slots[:CHECK_ROWS]]))
+          t = common.time_jax(self.run_chain(loop, st, None if D == 1 else self.copy(inter0),
+                                             x, slots))
+          row["loop_ms"], row["spread"] = t["ms"] / self.loop_steps, t["spread"]
+          row["TBps"] = (self.state_bytes(N, HV, D, "float32", D > 1)
+                         / (row["loop_ms"] * 1e-3) / 1e12)
 
         rows.append(common.run_row(results, "sweep", row, body, budget))
     ok = [r for r in rows if r.get("loop_ms") and r.get("err_ref", 1.0) < OK_ERR]
@@ -389,6 +461,17 @@ MAIN_COLS = [
     ("err_ref_o", "err_ref_o", ".1e"), ("err_ref_state", "err_ref_h", ".1e"),
     ("err_fla_o", "err_fla_o", ".1e"), ("err_fla_state", "err_fla_h", ".1e"),
     ("err_snapshot", "err_snap", ".1e"), ("row_s", "row_s", ".1f"),
+]
+
+
+SPEC_COLS = [
+    ("N", "N", "d"), ("HV", "HV", "d"), ("D", "D", "d"), ("S", "S", "d"),
+    ("accept_loop_ms", "verify+accept", ".4f"), ("accept_TBps", "TB/s", ".2f"),
+    ("new_loop_ms", "num_accepted", ".4f"), ("new_TBps", "TB/s", ".2f"),
+    ("d1_loop_ms", "D=1", ".4f"), ("new_over_d1", "new/D1", ".2f"),
+    ("accept_over_d1", "old/D1", ".2f"), ("fla_graph_ms", "fla_graph", ".4f"),
+    ("new_over_fla_graph", "new/fla", ".2f"), ("same_bits", "same_bits", ""),
+    ("row_s", "row_s", ".1f"),
 ]
 
 
@@ -464,6 +547,15 @@ def main():
     if rows:
       common.print_table(f"decode step (ms; loop = per step of {b.loop_steps} in one jit / "
                          "one CUDA graph)", rows, MAIN_COLS)
+
+    # Speculative steps: the rollback copy against num_accepted.
+    if "spec" in parts:
+      spec_shapes = [(2, 2, 2, 3), (2, 2, 4, 3)] if b.smoke else [
+          (256, 16, D, 256) for D in (4, 2, 8)]
+      srows = [common.run_row(results, "spec", dict(N=N, HV=HV, D=D, S=S), b.spec_row, budget)
+               for N, HV, D, S in spec_shapes]
+      common.print_table(f"speculative step (loop ms per step of {b.loop_steps} in one jit)",
+                         srows, SPEC_COLS)
 
     # Kernel profiles (--parts profile): at the --shapes rows, or N = 1, 8, 256 at HV = 16.
     if "profile" in parts:

@@ -29,9 +29,9 @@ def resolve(backend: str) -> str:
 
 def _settings():
   """The module-level settings the launchers read while tracing (benchmarks and tests change
-  them): the prefill block table and the decode kernel choice."""
-  from gdp_jax import _configs, _prefill_kernels
-  return (_prefill_kernels.CONFIG, _configs.DECODE_OVERRIDE, _configs.GDP_DECODE_KERNEL)
+  them): the prefill block table. (The decode config is a static argument.)"""
+  from gdp_jax import _prefill_kernels
+  return (_prefill_kernels.CONFIG,)
 
 
 @functools.lru_cache(maxsize=None)

@@ -169,8 +169,32 @@ def _common_state(B, T, HV, K, V, *, scale, initial_state, cu_seqlens, state, st
   return N
 
 
+def _num_accepted(num_accepted, *, state, state_indices, intermediate_states, N):
+  """The previous step's accepted counts: [N], 0..D for every request with a slot in [0, S)."""
+  if num_accepted is None:
+    return
+  if state is None or intermediate_states is None:
+    raise ValueError("num_accepted: needs the cache (state) and the previous step's snapshots "
+                     "(intermediate_states), which the counts select the start states from")
+  _expect("num_accepted", num_accepted, ("N",), (N,))
+  _integer("num_accepted", num_accepted)
+  S, D = intermediate_states.shape[:2]
+  n = _concrete(num_accepted)
+  idx = np.arange(N) if state_indices is None else _concrete(state_indices)
+  if n is None or idx is None:
+    return
+  bad = np.flatnonzero((idx >= 0) & (idx < S) & ((n < 0) | (n > D)))
+  if bad.size:
+    i = int(bad[0])
+    raise ValueError(
+        f"num_accepted: expected 0..D = 0..{D} for every request with a slot in [0, S), got "
+        f"{int(n[i])} for request {i} (slot {int(idx[i])}); n >= 1 starts from the previous "
+        "step's snapshot after its n-th draft token, 0 from the cache slot")
+
+
 def check_fused_recurrent(q, k, v, g, beta, *, scale, initial_state, cu_seqlens, state,
-                          state_indices, intermediate_states, steps_per_token) -> Dims:
+                          state_indices, intermediate_states, num_accepted,
+                          steps_per_token) -> Dims:
   """Checks the arguments of `fused_recurrent_gated_delta_rule`."""
   B, T, H, K, HV, V = _heads("q", q, "v", v)
   _expect("k", k, ("B", "T", "H", "K"), (B, T, H, K))
@@ -197,6 +221,8 @@ def check_fused_recurrent(q, k, v, g, beta, *, scale, initial_state, cu_seqlens,
     if state is None and S < N:
       raise ValueError(f"intermediate_states: without state sequence n uses slot n, so S >= N = "
                        f"{N} is needed, got S = {S}")
+  _num_accepted(num_accepted, state=state, state_indices=state_indices,
+                intermediate_states=intermediate_states, N=N)
   return Dims(B, T, H, HV, K, V, N)
 
 
@@ -237,7 +263,7 @@ def check_prefill(q, k, v, g, beta, *, num_householder, scale, initial_state, cu
 
 
 def check_gdp_decode(q, k, v, g, beta, *, num_householder, state, state_indices,
-                     intermediate_states, scale) -> Dims:
+                     intermediate_states, num_accepted, scale) -> Dims:
   """Checks the arguments of `gated_delta_product_decode` (T is D, the draft tokens)."""
   N, D, H, K, HV, V = _expanded_stream(q, k, v, g, beta, num_householder, "N", "D",
                                        "draft token")
@@ -251,6 +277,8 @@ def check_gdp_decode(q, k, v, g, beta, *, num_householder, state, state_indices,
     _state_dtype("intermediate_states", intermediate_states)
     _expect("intermediate_states", intermediate_states, ("S", "D", "HV", "K", "V"),
             (state.shape[0], D, HV, K, V))
+  _num_accepted(num_accepted, state=state, state_indices=state_indices,
+                intermediate_states=intermediate_states, N=N)
   return Dims(N, D, H, HV, K, V, N)
 
 

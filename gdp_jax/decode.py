@@ -1,6 +1,8 @@
 """Decode entry points: the fused recurrent step, Gated Delta Product decode, draft acceptance."""
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 
@@ -10,7 +12,8 @@ from gdp_jax import _backends, _checks, _configs, _launch
 def fused_recurrent_gated_delta_rule(
     q, k, v, g=None, beta=None, *, scale=None, initial_state=None, output_final_state=False,
     use_qk_l2norm_in_kernel=False, cu_seqlens=None, state=None, state_indices=None,
-    intermediate_states=None, steps_per_token=1, backend="auto"):
+    intermediate_states=None, num_accepted=None, steps_per_token=1, config=None,
+    backend="auto"):
   """Gated delta rule, token by token; matches `gdp_jax.reference.fused_recurrent_gated_delta_rule`.
 
   Per sequence and value head, with state S [K, V] in float32:
@@ -18,7 +21,7 @@ def fused_recurrent_gated_delta_rule(
 
   Dtypes: q, k, v, g, beta and initial_state float32, bfloat16, float16 or float64 (float64 is
   for the reference backend); state and intermediate_states float32, bfloat16 or float64;
-  state_indices and cu_seqlens int32 or int64. Any other dtype raises ValueError.
+  state_indices, cu_seqlens and num_accepted int32 or int64. Any other dtype raises ValueError.
 
   Args:
     q: queries [B, T, H, K].
@@ -39,57 +42,68 @@ def fused_recurrent_gated_delta_rule(
       when they are traced (under jax.jit nothing checks them).
     intermediate_states: [S, T // steps_per_token, HV, K, V] snapshots: entry [slot, i] receives
       the state after step (i + 1) * steps_per_token - 1 of the sequence.
+    num_accepted: [N] draft tokens kept by the previous verify step, or None. With it (and
+      `state`, `intermediate_states`), sequence n starts from intermediate_states[slot,
+      num_accepted[n] - 1], the previous step's snapshot, or from state[slot] where the count
+      is 0, and the cache is not written (speculative decoding without a rollback copy,
+      docs/api.md). Counts must lie in 0..T // steps_per_token: concrete ones are checked,
+      traced ones are clamped to that range.
     steps_per_token: recurrence steps per draft token (M for folded Gated Delta Product decode).
+    config: a `gdp_jax._configs.DecodeConfig` (the kernel's tile), or None for the one picked
+      from K and V. Results are bitwise the same for a sequence whatever its batch, under any
+      one config.
     backend: "auto", "triton", "reference" or "interpret" (see README).
 
   Returns:
     (o, final_state), plus the updated intermediate_states last when they are given. o is
     [B, T, HV, V] in v.dtype. final_state is the updated cache when `state` is given (a new
-    array; the same buffer when donated under jax.jit), else [N, HV, K, V] float32 when
-    output_final_state, else None.
+    array; the same buffer when donated under jax.jit; unchanged with num_accepted), else
+    [N, HV, K, V] float32 when output_final_state, else None.
 
   Raises:
     ValueError: at trace time, for shapes or dtypes that do not fit the above; for concrete
-      state_indices, also for a repeated slot.
+      state_indices, also for a repeated slot; for concrete num_accepted, a count out of range.
   """
   dims = _checks.check_fused_recurrent(
       q, k, v, g, beta, scale=scale, initial_state=initial_state, cu_seqlens=cu_seqlens,
       state=state, state_indices=state_indices, intermediate_states=intermediate_states,
-      steps_per_token=steps_per_token)
+      num_accepted=num_accepted, steps_per_token=steps_per_token)
   scale = dims.K ** -0.5 if scale is None else float(scale)
   backend = _backends.resolve(backend)
   arrays = dict(q=q, k=k, v=v, g=g, beta=beta, initial_state=initial_state,
                 cu_seqlens=cu_seqlens, state=state, state_indices=state_indices,
-                intermediate_states=intermediate_states)
+                intermediate_states=intermediate_states, num_accepted=num_accepted)
   static = dict(scale=scale, output_final_state=output_final_state,
                 use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, steps_per_token=steps_per_token)
   if backend == "reference":
     from gdp_jax import reference
     return _backends.call_jitted(reference.fused_recurrent_gated_delta_rule, arrays, **static)
+  config = config or _configs.decode_config(dims.K, dims.V)
   return _backends.call_jitted(_fused_recurrent_fwd, arrays, dims=dims, backend=backend,
-                               **static)
+                               config=config, **static)
 
 
-def _fused_recurrent_fwd(q, k, v, g, beta, *, dims, backend, scale, initial_state,
+def _fused_recurrent_fwd(q, k, v, g, beta, *, dims, backend, config, scale, initial_state,
                          output_final_state, use_qk_l2norm_in_kernel, cu_seqlens, state,
-                         state_indices, intermediate_states, steps_per_token):
+                         state_indices, intermediate_states, num_accepted, steps_per_token):
   B, T, H, HV, K, V, N = dims.B, dims.T, dims.H, dims.HV, dims.K, dims.V, dims.N
-  cfg = _configs.decode_config(N, HV, K, V)
   has_state = state is not None
   has_inter = intermediate_states is not None
   store_final = output_final_state and not has_state
   S = state.shape[0] if has_state else (intermediate_states.shape[0] if has_inter else 1)
   NI = intermediate_states.shape[1] if has_inter else 1
-  f32 = jnp.float32
+  f32, i32 = jnp.float32, jnp.int32
+  ph = _launch.placeholder
   args = (
       q, k, v,
-      _launch.placeholder() if g is None else g.astype(f32),
-      _launch.placeholder() if beta is None else beta,
-      _launch.placeholder() if initial_state is None else initial_state,
-      state if has_state else _launch.placeholder(),
-      intermediate_states if has_inter else _launch.placeholder(),
-      _launch.placeholder(jnp.int32) if state_indices is None else state_indices.astype(jnp.int32),
-      _launch.placeholder(jnp.int32) if cu_seqlens is None else cu_seqlens.astype(jnp.int32),
+      ph() if g is None else g.astype(f32),
+      ph() if beta is None else beta,
+      ph() if initial_state is None else initial_state,
+      state if has_state else ph(),
+      intermediate_states if has_inter else ph(),
+      ph(i32) if state_indices is None else state_indices.astype(i32),
+      ph(i32) if cu_seqlens is None else cu_seqlens.astype(i32),
+      ph(i32) if num_accepted is None else num_accepted.astype(i32),
       scale, T, S,
   )
   out_shape = (
@@ -104,19 +118,19 @@ def _fused_recurrent_fwd(q, k, v, g, beta, *, dims, backend, scale, initial_stat
     aliases[6] = 2
   if has_inter:
     aliases[7] = 3
-  NV = -(-V // cfg.BV)
   o, ht, new_state, new_inter = _launch.call(
       "fused_recurrent.fused_recurrent_fwd_kernel", *args,
-      grid=(NV * N * HV,), out_shape=out_shape, backend=backend, input_output_aliases=aliases,
-      num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-      H=H, HV=HV, K=K, V=V, NI=NI, BK=_configs._next_pow2(K), BV=cfg.BV,
+      grid=(-(-V // config.BV) * N * HV,), out_shape=out_shape, backend=backend,
+      input_output_aliases=aliases, num_warps=config.num_warps, num_stages=config.num_stages,
+      H=H, HV=HV, K=K, V=V, NI=NI, BK=_configs._next_pow2(K), BV=config.BV,
       STEPS_PER_TOKEN=steps_per_token,
       USE_G=g is not None, USE_BETA=beta is not None,
       IS_BETA_HEADWISE=beta is None or beta.ndim == 3,
       USE_QK_L2NORM=bool(use_qk_l2norm_in_kernel),
       USE_INITIAL_STATE=initial_state is not None, STORE_FINAL_STATE=store_final,
       HAS_STATE=has_state, HAS_STATE_INDICES=state_indices is not None,
-      STORE_INTERMEDIATE=has_inter, IS_VARLEN=cu_seqlens is not None)
+      STORE_INTERMEDIATE=has_inter, IS_VARLEN=cu_seqlens is not None,
+      HAS_NUM_ACCEPTED=num_accepted is not None)
   if cu_seqlens is not None:
     # No program owns tokens outside [cu[0], cu[N]); their outputs are defined as zero.
     t = jnp.arange(T)
@@ -127,8 +141,8 @@ def _fused_recurrent_fwd(q, k, v, g, beta, *, dims, backend, scale, initial_stat
 
 
 def gated_delta_product_decode(q, k, v, g, beta, *, num_householder, state, state_indices,
-                               intermediate_states=None, scale=None,
-                               use_qk_l2norm_in_kernel=False, backend="auto"):
+                               intermediate_states=None, num_accepted=None, scale=None,
+                               use_qk_l2norm_in_kernel=False, config=None, backend="auto"):
   """One decode step of Gated Delta Product for N requests of D draft tokens each.
 
   Folds the M Householder copies into the sequence (query on the last copy, decay on the first)
@@ -137,8 +151,8 @@ def gated_delta_product_decode(q, k, v, g, beta, *, num_householder, state, stat
 
   Dtypes: q, k, v, g and beta float32, bfloat16, float16 or float64 (float64 is for the
   reference backend); state and intermediate_states float32, bfloat16 or float64 (a bfloat16
-  cache halves the state traffic; the state is rounded to it once per call); state_indices int32
-  or int64. Any other dtype raises ValueError.
+  cache halves the state traffic; the state is rounded to it once per call); state_indices and
+  num_accepted int32 or int64. Any other dtype raises ValueError.
 
   Args:
     q: queries [N, D, H, K] (D = 1 for plain decode).
@@ -152,24 +166,35 @@ def gated_delta_product_decode(q, k, v, g, beta, *, num_householder, state, stat
       in [0, S) must be unique: a repeat raises ValueError when the indices are concrete, and is
       undefined when they are traced.
     intermediate_states: [S, D, HV, K, V] or None; entry [slot, d] receives the state after
-      draft token d, for `accept_draft_tokens`.
+      draft token d (for `accept_draft_tokens`, or for the next step's num_accepted).
+    num_accepted: [N] or None: how many of its draft tokens each request kept in the previous
+      step, which wrote intermediate_states. Request n then starts from
+      intermediate_states[slot, num_accepted[n] - 1], or from state[slot] where the count is 0
+      (a request fresh from prefill), and `state` is not written: the snapshots are the state
+      of record, and `accept_draft_tokens` copies them into the cache when one is wanted
+      (docs/api.md, speculative decoding without a rollback copy). Counts must lie in 0..D:
+      concrete ones are checked, traced ones are clamped to 0..D.
     scale: query scale; None means K ** -0.5.
     use_qk_l2norm_in_kernel: normalise q and k rows in float32 (a zero query stays zero).
+    config: a `gdp_jax._configs.DecodeConfig`, or None for the one picked from K and V.
     backend: "auto", "triton", "reference" or "interpret".
 
   Returns:
     (o [N, D, HV, V] in v.dtype, updated state), plus the updated intermediate_states when given.
+    With num_accepted the state comes back unchanged.
 
   Raises:
     ValueError: at trace time, for shapes or dtypes that do not fit the above; for concrete
-      state_indices, also for a repeated slot.
+      state_indices, also for a repeated slot; for concrete num_accepted, a count outside 0..D
+      for a request with a slot in [0, S).
   """
   dims = _checks.check_gdp_decode(q, k, v, g, beta, num_householder=num_householder, state=state,
                                   state_indices=state_indices,
-                                  intermediate_states=intermediate_states, scale=scale)
+                                  intermediate_states=intermediate_states,
+                                  num_accepted=num_accepted, scale=scale)
   backend = _backends.resolve(backend)
   arrays = dict(q=q, k=k, v=v, g=g, beta=beta, state=state, state_indices=state_indices,
-                intermediate_states=intermediate_states)
+                intermediate_states=intermediate_states, num_accepted=num_accepted)
   static = dict(num_householder=num_householder,
                 use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
   if backend == "reference":
@@ -177,65 +202,33 @@ def gated_delta_product_decode(q, k, v, g, beta, *, num_householder, state, stat
     return _backends.call_jitted(reference.gated_delta_product_decode, arrays, scale=scale,
                                  **static)
   scale = dims.K ** -0.5 if scale is None else float(scale)
-  return _backends.call_jitted(_gdp_decode_kernels, arrays, scale=scale, dims=dims,
-                               backend=backend, **static)
+  config = config or _configs.decode_config(dims.K, dims.V)
+  return _backends.call_jitted(_gdp_decode_fold, arrays, scale=scale, dims=dims,
+                               backend=backend, config=config, **static)
 
 
-def _gdp_decode_kernels(q, k, v, g, beta, *, num_householder, state, state_indices,
-                        intermediate_states, scale, use_qk_l2norm_in_kernel, dims, backend):
+def _gdp_decode_fold(q, k, v, g, beta, *, num_householder, state, state_indices,
+                     intermediate_states, num_accepted, scale, use_qk_l2norm_in_kernel, dims,
+                     backend, config):
+  """The fold: token t's M rows run through the fused recurrent kernel as M steps, the query
+  (zeros but on the last step) and the decay (on the first) spread over them. The inputs were
+  checked by the caller and this runs inside its jitted program: the launcher is called
+  directly."""
   M = num_householder
   N, D, H, K = q.shape
-  if _configs.GDP_DECODE_KERNEL == "native":
-    return _gdp_decode_fwd(q, k, v, g, beta, M=M, dims=dims, state=state,
-                           state_indices=state_indices, intermediate_states=intermediate_states,
-                           scale=scale, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
-                           backend=backend)
-  # The fold: token t's M rows run through the fused recurrent kernel as M steps, the query
-  # (zeros but on the last step) and the decay (on the first) spread over them.
   q_fold = jnp.zeros((N, D, M, H, K), q.dtype).at[:, :, M - 1].set(q).reshape(N, D * M, H, K)
   g_fold = None
   if g is not None:
-    HV = g.shape[-1]
-    g_fold = jnp.zeros((N, D, M, HV), jnp.float32).at[:, :, 0].set(g.astype(jnp.float32))
-    g_fold = g_fold.reshape(N, D * M, HV)
-  out = fused_recurrent_gated_delta_rule(
-      q_fold, k, v, g_fold, beta, scale=scale,
-      use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, state=state, state_indices=state_indices,
-      intermediate_states=intermediate_states, steps_per_token=M, backend=backend)
+    g_fold = jnp.zeros((N, D, M, dims.HV), jnp.float32).at[:, :, 0].set(g.astype(jnp.float32))
+    g_fold = g_fold.reshape(N, D * M, dims.HV)
+  fold_dims = dataclasses.replace(dims, T=D * M)
+  out = _fused_recurrent_fwd(
+      q_fold, k, v, g_fold, beta, dims=fold_dims, backend=backend, config=config, scale=scale,
+      initial_state=None, output_final_state=False,
+      use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, cu_seqlens=None, state=state,
+      state_indices=state_indices, intermediate_states=intermediate_states,
+      num_accepted=num_accepted, steps_per_token=M)
   return (out[0][:, M - 1::M],) + tuple(out[1:])
-
-
-def _gdp_decode_fwd(q, k, v, g, beta, *, M, dims, state, state_indices, intermediate_states,
-                    scale, use_qk_l2norm_in_kernel, backend):
-  N, D, H, HV, K, V = dims.B, dims.T, dims.H, dims.HV, dims.K, dims.V
-  cfg = _configs.decode_config(N, HV, K, V)
-  has_inter = intermediate_states is not None
-  args = (
-      q, k, v,
-      _launch.placeholder() if g is None else g.astype(jnp.float32),
-      _launch.placeholder() if beta is None else beta,
-      state,
-      intermediate_states if has_inter else _launch.placeholder(),
-      state_indices.astype(jnp.int32),
-      scale, state.shape[0],
-  )
-  out_shape = (
-      jax.ShapeDtypeStruct((N, D, HV, V), v.dtype),
-      jax.ShapeDtypeStruct(state.shape, state.dtype),
-      jax.ShapeDtypeStruct(intermediate_states.shape if has_inter else (1,),
-                           intermediate_states.dtype if has_inter else jnp.float32),
-  )
-  aliases = {5: 1}
-  if has_inter:
-    aliases[6] = 2
-  o, new_state, new_inter = _launch.call(
-      "gdp_decode.gdp_decode_fwd_kernel", *args,
-      grid=(-(-V // cfg.BV) * N * HV,), out_shape=out_shape, backend=backend,
-      input_output_aliases=aliases, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-      D=D, M=M, H=H, HV=HV, K=K, V=V, BK=_configs._next_pow2(K), BV=cfg.BV,
-      USE_G=g is not None, USE_BETA=beta is not None,
-      USE_QK_L2NORM=bool(use_qk_l2norm_in_kernel), STORE_INTERMEDIATE=has_inter)
-  return (o, new_state, new_inter) if has_inter else (o, new_state)
 
 
 def accept_draft_tokens(state, intermediate_states, state_indices, num_accepted):

@@ -9,9 +9,10 @@ requests enter free slots through a packed prefill (`cu_seqlens`, each sequence 
 slot), then decode together, one row per slot (-1 rows are idle slots); a finished request
 leaves its slot to the next. With `num_draft = D > 1` each decode step is speculative: a
 drafter proposes D-1 tokens after the current one, the model verifies all D in one
-`decode` call, greedy argmax decides how many are accepted, and `accept_draft_tokens` rolls
-every layer's state and convolution inputs back to the accepted prefix. Both compiled steps
-take the caches donated, so they are updated in place.
+`decode` call, and greedy argmax decides how many are accepted. Nothing is rolled back: the
+next step passes those counts as `num_accepted`, and every layer starts each request from its
+snapshots (state and convolution inputs) after the last accepted token (docs/api.md). Both
+compiled steps take the caches donated, so they are updated in place.
 
 `generate_reference` produces the same tokens the slow way, recomputing each request's whole
 sequence with the prefill path for every new token and no cache at all.
@@ -26,7 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from gdp_jax.flax import GatedDeltaProduct, accept_draft_tokens, reset_slots
+from gdp_jax.flax import GatedDeltaProduct, reset_slots
 
 __all__ = ["Engine", "Request", "TinyLM", "bigram_drafter", "generate_reference"]
 
@@ -91,12 +92,15 @@ class TinyLM(nnx.Module):
     """Logits [B, T, vocab_size] of a cache-free prefill (dense, or packed with cu_seqlens)."""
     return self.unembed(self.hidden(tokens, cu_seqlens=cu_seqlens))
 
-  def decode(self, tokens, caches, slots):
-    """D tokens per request [N, D] against the caches: (logits [N, D, vocab_size], caches)."""
+  def decode(self, tokens, caches, slots, num_accepted=None):
+    """D tokens per request [N, D] against the caches: (logits [N, D, vocab_size], caches).
+
+    num_accepted: [N] or None, the previous step's accepted counts (`GatedDeltaProduct.decode`).
+    """
     x = self.embed(tokens)
     new = []
     for b, c in zip(self.blocks, caches):
-      y, c = b.attn.decode(b.norm(x), c, slots)
+      y, c = b.attn.decode(b.norm(x), c, slots, num_accepted)
       x = x + y
       new.append(c)
     return self.unembed(self.norm(x)), tuple(new)
@@ -131,18 +135,18 @@ def _prefill_step(graphdef, params, caches, tokens, cu_seqlens, slots):
   return caches, jnp.argmax(model.unembed(last), axis=-1).astype(jnp.int32)
 
 
-def _decode_step(graphdef, drafter, params, caches, current, slots):
+def _decode_step(graphdef, drafter, params, caches, current, slots, prev_accepted):
   model = nnx.merge(graphdef, params)
   D = 1 if caches[0].state_snapshots is None else caches[0].state_snapshots.shape[1]
   drafts = drafter(model, current, D - 1)                            # [N, D-1]
   tokens = jnp.concatenate([current[:, None], drafts], axis=1)       # [N, D]
-  logits, caches = model.decode(tokens, caches, slots)
+  # Each request starts from its snapshots after the tokens the last step kept (0: after its
+  # prefill, from the cache itself); no rollback copy.
+  logits, caches = model.decode(tokens, caches, slots, prev_accepted if D > 1 else None)
   preds = jnp.argmax(logits, axis=-1).astype(jnp.int32)              # [N, D]
   # Draft d+1 is accepted while it equals the model's greedy choice after token d.
   ok = jnp.cumprod((drafts == preds[:, :-1]).astype(jnp.int32), axis=1)
   num_accepted = 1 + jnp.sum(ok, axis=1).astype(jnp.int32)           # 1..D tokens kept
-  if D > 1:
-    caches = tuple(accept_draft_tokens(c, slots, num_accepted) for c in caches)
   return caches, tokens, preds, num_accepted
 
 
@@ -174,10 +178,10 @@ class Engine:
     self._prefill = jax.jit(lambda p, c, t, cu, s: _prefill_step(self.graphdef, p, c, t, cu, s),
                             donate_argnums=(1,))
     self._decode = jax.jit(
-        lambda p, c, cur, s: _decode_step(self.graphdef, drafter, p, c, cur, s),
+        lambda p, c, cur, s, n: _decode_step(self.graphdef, drafter, p, c, cur, s, n),
         donate_argnums=(1,))
 
-  def _admit(self, waiting, free, outputs, active, current):
+  def _admit(self, waiting, free, outputs, active, current, accepted):
     """Packs waiting requests into free slots and prefills them in one call."""
     P, Q = self.max_prefill_tokens, self.max_prefill_seqs
     tokens = np.zeros((1, P), np.int32)
@@ -202,6 +206,7 @@ class Engine:
     for j, (rid, req, slot) in enumerate(admitted):
       outputs[rid].append(int(first[j]))
       current[slot] = first[j]
+      accepted[slot] = 0  # the first decode step starts from the prefilled cache
       if len(outputs[rid]) >= req.max_new_tokens:
         free.append(slot)
       else:
@@ -231,18 +236,23 @@ class Engine:
     active = {}                                      # slot -> (request id, request)
     outputs = [[] for _ in requests]
     current = np.zeros((self.num_slots,), np.int32)  # the last token of each slot, not yet fed
+    # Tokens the last decode step kept per slot; its snapshots after them are the state.
+    accepted = np.zeros((self.num_slots,), np.int32)
     stats = {"prefill_calls": 0, "decode_steps": 0, "accepted": [], "slot_trace": []}
     while waiting or active:
       if waiting and free:
-        stats["prefill_calls"] += bool(self._admit(waiting, free, outputs, active, current))
+        stats["prefill_calls"] += bool(self._admit(waiting, free, outputs, active, current,
+                                                   accepted))
       if not active:
         continue
       slots = np.array([s if s in active else -1 for s in range(self.num_slots)], np.int32)
       stats["slot_trace"].append([active[s][0] if s in active else -1
                                   for s in range(self.num_slots)])
       self.caches, tokens, preds, n_acc = self._decode(
-          self.params, self.caches, jnp.asarray(current), jnp.asarray(slots))
+          self.params, self.caches, jnp.asarray(current), jnp.asarray(slots),
+          jnp.asarray(accepted))
       tokens, preds, n_acc = np.asarray(tokens), np.asarray(preds), np.asarray(n_acc)
+      accepted[:] = n_acc
       stats["decode_steps"] += 1
       for slot in sorted(active):
         rid, req = active[slot]

@@ -14,8 +14,10 @@ math of FLA's `fla.layers.GatedDeltaProduct`; per token t of a sequence, M = num
 Two paths share the weights: `__call__` runs a prefill (dense or packed with cu_seqlens) through
 `gdp_jax.chunk_gated_delta_product`, and `decode` runs D draft tokens per request through
 `gdp_jax.gated_delta_product_decode`. Both read and write a `GDPCache`, addressed by slot: the
-recurrent state and the short convolution's last W-1 inputs; `accept_draft_tokens` rolls both
-back to the last accepted draft token.
+recurrent state and the short convolution's last W-1 inputs. For speculative decoding, `decode`
+takes the previous step's accepted counts and starts both from the snapshots after the last
+accepted token, with no rollback copy (docs/api.md); `accept_draft_tokens` copies those
+snapshots back into the cache when it must be the state of record again.
 
 This module is `gdp_jax.flax` (it needs the optional dependency flax >= 0.12); its absolute
 `import flax.nnx` reaches the Flax package, not this file.
@@ -65,7 +67,8 @@ class GDPCache(NamedTuple):
     conv: the last W-1 convolution inputs of each slot, oldest first, [S, W-1, C]; None without
       the short convolution.
     state_snapshots: [S, D, HV, K, V], the state after each of D draft tokens of the last
-      `decode`, for `accept_draft_tokens`; None when the cache was made without draft tokens.
+      `decode`, read by the next `decode` through its num_accepted (or copied back by
+      `accept_draft_tokens`); None when the cache was made without draft tokens.
     conv_snapshots: [S, D, W-1, C], the convolution inputs after each draft token; None like
       state_snapshots (or without the short convolution).
   """
@@ -100,6 +103,17 @@ def _write_rows(buf, slots, rows):
   return buf.at[scatter].set(rows.astype(buf.dtype), mode="drop")
 
 
+def _read_accepted(buf, snaps, slots, num_accepted):
+  """Per request, the rows after its last accepted draft token: snaps[slot, n-1], or buf[slot]
+  where n = 0; zeros for padding slots. Counts are clamped to 0..D, as the kernels do."""
+  valid, gather, _ = _live_slots(slots, buf.shape[0])
+  n = jnp.clip(num_accepted.astype(jnp.int32), 0, snaps.shape[1])
+  rows = jnp.where((n > 0).reshape((-1,) + (1,) * (buf.ndim - 1)),
+                   snaps[gather, jnp.maximum(n - 1, 0)], buf[gather])
+  return jnp.where(valid.reshape((-1,) + (1,) * (rows.ndim - 1)), rows,
+                   jnp.zeros((), buf.dtype))
+
+
 def reset_slots(cache: GDPCache, slots) -> GDPCache:
   """Zeroes the state and convolution inputs of `slots` (new requests start from zero).
 
@@ -122,8 +136,10 @@ def accept_draft_tokens(cache: GDPCache, slots, num_accepted) -> GDPCache:
 
   After `GatedDeltaProduct.decode` with D draft tokens, request i (slot s = slots[i]) keeps its
   first n = num_accepted[i] tokens: `state[s] = state_snapshots[s, n-1]` and
-  `conv[s] = conv_snapshots[s, n-1]`. n = D is a no-op. Slots outside [0, S) and counts outside
-  [1, D] leave the cache untouched.
+  `conv[s] = conv_snapshots[s, n-1]`. n = D is a no-op after a decode without num_accepted.
+  Slots outside [0, S) and counts outside [1, D] leave the cache untouched. A serving loop that
+  passes num_accepted to the next `decode` needs no such copy; this one is for when the cache
+  must be the state of record again (a prefill continuing the request, plain decoding).
 
   Args:
     cache: a `GDPCache` made with `num_draft=D` and written by `decode`.
@@ -510,23 +526,31 @@ class GatedDeltaProduct(nnx.Module):
   # ---------------------------------------------------------------------------------------------
   # Decode
 
-  def decode(self, x, cache: GDPCache, slots):
+  def decode(self, x, cache: GDPCache, slots, num_accepted=None):
     """D tokens per request against the cache, through `gdp_jax.gated_delta_product_decode`.
 
     With a cache made with `num_draft=D`, the state and convolution inputs after every token are
-    kept in its snapshots, so that `accept_draft_tokens` can roll back to an accepted prefix.
+    kept in its snapshots. The next step then takes `num_accepted`, the tokens verification
+    kept, and starts each request from the snapshots after its last kept token: speculative
+    decoding with no rollback copy (docs/api.md). Without num_accepted the step starts from
+    `cache.state` and `cache.conv` (roll them back first with `accept_draft_tokens`).
 
     Args:
       x: [N, D, hidden_size], D consecutive tokens per request (D = 1 for plain decoding).
       cache: a `GDPCache`.
       slots: [N] int32 slots; a slot outside [0, S) is padding: reads and writes nothing, y = 0.
         Non-negative slots must be unique.
+      num_accepted: [N] int32 or None: per request, how many of its D tokens the previous step
+        kept (0 for a request fresh from prefill: it starts from cache.state and cache.conv).
+        Needs the snapshots; the cache's state and conv are then not written, the snapshots are
+        the state of record. Concrete counts outside 0..D raise ValueError.
 
     Returns:
       (y [N, D, hidden_size], updated cache).
 
     Raises:
-      ValueError: if the cache keeps snapshots for a different number of draft tokens.
+      ValueError: if the cache keeps snapshots for a different number of draft tokens, or
+        num_accepted comes without snapshots.
     """
     N, D, _ = x.shape
     M, HV = self.num_householder, self.num_v_heads
@@ -536,12 +560,20 @@ class GatedDeltaProduct(nnx.Module):
                        f"D = {D} tokens per request; use a cache with init_cache(S, num_draft={D})"
                        " or drop its snapshots (cache._replace(state_snapshots=None, "
                        "conv_snapshots=None))")
+    if num_accepted is not None and snaps is None:
+      raise ValueError("num_accepted: the cache holds no draft-token snapshots to start from; "
+                       "make it with GatedDeltaProduct.init_cache(num_slots, num_draft=D)")
     xa = self._project(x)
     conv, conv_snaps = cache.conv, cache.conv_snapshots
     if self.use_short_conv:
       weight, bias = self._conv_params()
-      ya, windows = _conv_decode(xa, weight, bias, _read_rows(conv, slots))
-      conv = _write_rows(conv, slots, windows[:, -1])
+      if num_accepted is None:
+        ctx = _read_rows(conv, slots)
+      else:
+        ctx = _read_accepted(conv, conv_snaps, slots, num_accepted)
+      ya, windows = _conv_decode(xa, weight, bias, ctx)
+      if num_accepted is None:
+        conv = _write_rows(conv, slots, windows[:, -1])
       if conv_snaps is not None:
         conv_snaps = _write_rows(conv_snaps, slots, windows)
     else:
@@ -552,7 +584,7 @@ class GatedDeltaProduct(nnx.Module):
         q, k.reshape(N, D * M, *k.shape[3:]), v.reshape(N, D * M, *v.shape[3:]), g,
         beta.reshape(N, D * M, HV), num_householder=M, state=cache.state,
         state_indices=slots.astype(jnp.int32), intermediate_states=snaps,
-        use_qk_l2norm_in_kernel=True, backend=self.backend)
+        num_accepted=num_accepted, use_qk_l2norm_in_kernel=True, backend=self.backend)
     y = self._output(out[0], x)
     new_cache = GDPCache(out[1], conv, out[2] if snaps is not None else None, conv_snaps)
     return y, new_cache

@@ -17,6 +17,12 @@ Gated Delta Product decode reaches this kernel by folding the M Householder copi
 sequence (query on the last copy, decay on the first): STEPS_PER_TOKEN = M then tells where one
 draft token ends, and a snapshot of the state is stored there for speculative rollback.
 
+Speculative decoding without a rollback copy (HAS_NUM_ACCEPTED, docs/api.md): sequence i, whose
+previous verify step kept n = num_accepted[i] draft tokens, starts from that step's snapshot
+inter[slot, n-1] (n = 0: from the cache slot), and the cache slot is not written: the snapshots
+are the state of record. The program reads its [K, BV] start tile before it stores any snapshot,
+and no other program touches that tile, so reading and rewriting the snapshots in place is safe.
+
 Parameters are ordered inputs, outputs, constexprs (jax_triton.triton_call appends one pointer
 per output after the inputs). Optional inputs arrive as placeholders switched off by a flag,
 since triton_call cannot pass None. A buffer updated in place (the cache, the snapshots) comes
@@ -42,6 +48,7 @@ def fused_recurrent_fwd_kernel(
     inter_in,       # [S, NI, HV, K, V] per-draft-token snapshots    (STORE_INTERMEDIATE)
     state_indices,  # [N] int32 cache slot per sequence               (HAS_STATE_INDICES)
     cu_seqlens,     # [N+1] int32 sequence starts, B == 1             (IS_VARLEN)
+    num_accepted,   # [N] int32 draft tokens kept by the previous step   (HAS_NUM_ACCEPTED)
     scale,          # float32
     T,              # tokens per sequence of the (packed) stream
     S,              # cache slots (of `state_in`, else of `inter_in`)
@@ -70,6 +77,7 @@ def fused_recurrent_fwd_kernel(
     HAS_STATE_INDICES: tl.constexpr,
     STORE_INTERMEDIATE: tl.constexpr,
     IS_VARLEN: tl.constexpr,
+    HAS_NUM_ACCEPTED: tl.constexpr,
 ):
   i_v, i_n, i_hv, i_h = decode_program(triton.cdiv(V, BV), HV, H)
 
@@ -106,7 +114,16 @@ def fused_recurrent_fwd_kernel(
   b_h = tl.zeros([BK, BV], dtype=tl.float32)
   if HAS_STATE:
     p_state = (slot * HV + i_hv) * K * V + p_kv
-    b_h = tl.load(state_in + p_state, mask=mask_h, other=0.).to(tl.float32)
+    if HAS_NUM_ACCEPTED:
+      # Clamped to 0..NI: a traced count out of range must not read outside the snapshots.
+      n_acc = tl.minimum(tl.maximum(tl.load(num_accepted + i_n).to(tl.int64), 0), NI)
+      if n_acc > 0:
+        p_acc = ((slot * NI + n_acc - 1) * HV + i_hv) * K * V + p_kv
+        b_h = tl.load(inter_in + p_acc, mask=mask_h, other=0.).to(tl.float32)
+      else:
+        b_h = tl.load(state_in + p_state, mask=mask_h, other=0.).to(tl.float32)
+    else:
+      b_h = tl.load(state_in + p_state, mask=mask_h, other=0.).to(tl.float32)
   elif USE_INITIAL_STATE:
     b_h = tl.load(h0 + (i_n.to(tl.int64) * HV + i_hv) * K * V + p_kv, mask=mask_h,
                   other=0.).to(tl.float32)
@@ -140,6 +157,7 @@ def fused_recurrent_fwd_kernel(
                mask=mask_h & ((s + 1) % STEPS_PER_TOKEN == 0))
 
   if HAS_STATE:
-    tl.store(state_out + p_state, b_h.to(state_out.dtype.element_ty), mask=mask_h)
+    if not HAS_NUM_ACCEPTED:  # with it, the last snapshot is the state after the step
+      tl.store(state_out + p_state, b_h.to(state_out.dtype.element_ty), mask=mask_h)
   elif STORE_FINAL_STATE:
     tl.store(ht + (i_n.to(tl.int64) * HV + i_hv) * K * V + p_kv, b_h, mask=mask_h)

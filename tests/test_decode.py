@@ -39,6 +39,7 @@ class Case:
   cache: str = ""               # "", "slots" (S > N, permuted, with -1 and out of range), "plain"
   varlen: tuple = ()            # sequence lengths, packed (B == 1); slack tokens follow
   spt: int = 0                  # steps_per_token with intermediate_states (0: none)
+  accepted: bool = False        # num_accepted: start from the snapshots (needs cache and spt)
 
   @property
   def id(self):
@@ -48,6 +49,7 @@ class Case:
     s += f"-cache_{self.cache}" if self.cache else ""
     s += f"-varlen{'_'.join(map(str, self.varlen))}" if self.varlen else ""
     s += f"-spt{self.spt}" if self.spt else ""
+    s += "-accepted" if self.accepted else ""
     return s
 
 
@@ -62,11 +64,14 @@ CASES = [
     Case(B=1, T=12, varlen=(3, 0, 6, 1), cache="slots"),
     Case(B=1, T=9, varlen=(4, 2), init=True, l2norm=True),
     Case(B=2, T=1, H=2, HV=2, K=32, V=32),
+    Case(B=4, T=6, cache="slots", spt=2, accepted=True, beta="elem"),
+    Case(B=1, T=10, varlen=(4, 0, 2, 4), cache="slots", spt=2, accepted=True, l2norm=True),
 ]
 GPU_CASES = [
     Case(B=8, T=3, H=4, HV=8, K=128, V=128, cache="slots", spt=1, l2norm=True),
     Case(B=8, T=2, H=2, HV=4, K=256, V=512, dtype="bfloat16", cache="slots", spt=2, l2norm=True),
     Case(B=1, T=300, H=4, HV=8, K=128, V=128, varlen=(100, 0, 150, 1), init=True),
+    Case(B=16, T=8, H=4, HV=8, K=128, V=128, cache="slots", spt=2, accepted=True, l2norm=True),
 ]
 
 
@@ -92,8 +97,13 @@ def make_inputs(c: Case, seed):
   kw = dict(use_qk_l2norm_in_kernel=c.l2norm, **state_arguments(rng, c, N))
   if c.cache and c.spt:
     S = kw["state"].shape[0]
-    kw["intermediate_states"] = jnp.asarray(
-        np.full((S, c.T // c.spt, c.HV, c.K, c.V), np.nan), jnp.float32)
+    inter = np.full((S, c.T // c.spt, c.HV, c.K, c.V), np.nan, np.float32)
+    if c.accepted:
+      # The previous step's snapshots are read: finite where a live slot lives (the cache's
+      # NaN marks the unaddressed slots), and every count 0..T // spt occurs.
+      inter[:] = rng.standard_normal(inter.shape) + np.asarray(kw["state"])[:, None]
+      kw["num_accepted"] = jnp.asarray(np.arange(N) % (c.T // c.spt + 1), jnp.int32)
+    kw["intermediate_states"] = jnp.asarray(inter)
     kw["steps_per_token"] = c.spt
   return a, kw
 
@@ -131,7 +141,10 @@ def check_fused_recurrent(c: Case, backend, seed=0):
     si = np.asarray(kw.get("state_indices", np.arange(len(pad))))
     live[si[~pad]] = True
     assert bits_equal(new[~live], np.asarray(kw["state"])[~live]), "unaddressed slots changed"
-    assert_close("state", new_ref[live], new[live], state_tol)
+    if "num_accepted" in kw:  # the snapshots are the state of record: the cache is not written
+      assert bits_equal(new, np.asarray(kw["state"]))
+    else:
+      assert_close("state", new_ref[live], new[live], state_tol)
     if "intermediate_states" in kw:
       inter, inter_ref = np.asarray(out[2]), np.asarray(ref[2])
       assert bits_equal(inter[~live], np.asarray(kw["intermediate_states"])[~live])
@@ -203,41 +216,151 @@ GDP_CASES = [(3, 1, 2, 1, 2, 16, 8, 5, "float32"), (4, 2, 3, 2, 4, 16, 8, 6, "fl
              (3, 4, 1, 1, 1, 8, 8, 3, "float32"), (2, 3, 2, 1, 2, 16, 16, 4, "bfloat16")]
 
 
-@pytest.fixture(params=["fold", "native"])
-def gdp_kernel(request, monkeypatch):
-  """Runs a test once per kernel behind gated_delta_product_decode (see gdp_jax._configs)."""
-  monkeypatch.setattr(_configs, "GDP_DECODE_KERNEL", request.param)
-  return request.param
-
-
 @pytest.mark.parametrize("case", GDP_CASES, ids=lambda c: "N{}-D{}-M{}-H{}-HV{}-K{}-V{}-S{}-{}".format(*c))
-def test_gdp_decode_and_accept(case, gdp_kernel):
+def test_gdp_decode_and_accept(case):
   check_gdp_decode(*case, backend=KERNEL_BACKEND)
-
-
-@pytest.mark.parametrize("l2norm,use_g,use_beta", [(False, True, True), (True, False, False)])
-def test_native_gdp_decode_equals_fold_bitwise(l2norm, use_g, use_beta, monkeypatch):
-  """The unfolded kernel performs the folded kernel's state arithmetic op for op."""
-  a = gdp_inputs(4, 3, 2, 2, 4, 16, 16, 7, "bfloat16", seed=21)
-  if not use_g:
-    a["g"] = None
-  if not use_beta:
-    a["beta"] = None
-  outs = {}
-  for kernel in ("fold", "native"):
-    monkeypatch.setattr(_configs, "GDP_DECODE_KERNEL", kernel)
-    outs[kernel] = gdp_jax.gated_delta_product_decode(
-        **a, num_householder=2, use_qk_l2norm_in_kernel=l2norm, backend=KERNEL_BACKEND)
-  for name, x, y in zip(("o", "state", "intermediate_states"), outs["fold"], outs["native"]):
-    assert bits_equal(x, y), f"{name} differs between the fold and the native kernel"
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", [(64, 4, 2, 16, 32, 128, 128, 256, "float32"),
                                   (16, 2, 2, 6, 6, 256, 512, 20, "bfloat16")],
                          ids=lambda c: "N{}-D{}-M{}-H{}-HV{}-K{}-V{}-S{}-{}".format(*c))
-def test_gdp_decode_and_accept_gpu(case, gdp_kernel):
+def test_gdp_decode_and_accept_gpu(case):
   check_gdp_decode(*case, backend="triton")
+
+
+def _start_states(a, D, M, counts):
+  """[S, HV, K, V] float64: each live slot's state after its request's first counts[i] draft
+  tokens of the step `a` (counts[i] = 0: the cache as it was), from the reference run on those
+  tokens only; other slots keep the cache's contents (NaN where unaddressed)."""
+  up = _upcast(a)
+  start = np.array(up["state"])
+  slots = np.asarray(a["state_indices"])
+  for n in range(1, D + 1):
+    rows = lambda x, per: None if x is None else x[:, :n * per]
+    _, after = reference.gated_delta_product_decode(
+        rows(up["q"], 1), rows(up["k"], M), rows(up["v"], M), rows(up["g"], 1),
+        rows(up["beta"], M), num_householder=M, state=up["state"],
+        state_indices=a["state_indices"])
+    pick = (np.asarray(counts) == n) & (slots >= 0)
+    start[slots[pick]] = np.asarray(after)[slots[pick]]
+  return jnp.asarray(start)
+
+
+def check_speculative(N, D, M, H, HV, K, V, S, dtype, backend, seed=0):
+  """Two verify steps; the second takes the first's accepted counts (num_accepted) and starts
+  from its snapshots. At every count 0..D (each request a different one, every request every
+  count over the rounds) it equals the reference run on only the accepted tokens of step one,
+  then all of step two; the cache is not written, padding and unaddressed slots keep their
+  bits. Runs under jax.jit with the cache and the snapshots donated."""
+  a = gdp_inputs(N, D, M, H, HV, K, V, S, dtype, seed=seed)
+  b = {n: x for n, x in gdp_inputs(N, D, M, H, HV, K, V, S, dtype, seed=seed + 1).items()
+       if n in ("q", "k", "v", "g", "beta")}
+  _, state1, inter1 = gdp_jax.gated_delta_product_decode(**a, num_householder=M, backend=backend)
+  step = jax.jit(lambda x, c, i, n: gdp_jax.gated_delta_product_decode(
+      **x, num_householder=M, state=c, state_indices=a["state_indices"], intermediate_states=i,
+      num_accepted=n, backend=backend), donate_argnums=(1, 2))
+  slots = np.asarray(a["state_indices"])
+  live = np.zeros(S, bool)
+  live[slots[slots >= 0]] = True
+  tol = RTOL[dtype]
+  state_tol = 1e-5 if dtype == "float32" else 1e-2
+  for shift in range(D + 1):
+    counts = (np.arange(N) + shift) % (D + 1)
+    counts[slots < 0] = 7 * D  # a padding request's count is ignored, whatever it is
+    o2, state2, inter2 = step(b, jnp.copy(state1), jnp.copy(inter1), jnp.asarray(counts, jnp.int32))
+    # Count 0 starts from the cache, which step one left after all D tokens.
+    start = _start_states(a, D, M, np.where(counts == 0, D, counts))
+    o_ref, _, inter_ref = reference.gated_delta_product_decode(
+        **_upcast(b), num_householder=M, state=start, state_indices=a["state_indices"],
+        intermediate_states=jnp.full((S, D, HV, K, V), np.nan, f64))
+    assert np.all(np.asarray(o2, np.float32)[slots < 0] == 0)
+    assert_close(f"o (shift {shift})", o_ref, o2, tol)
+    assert_close(f"snapshots (shift {shift})", np.asarray(inter_ref)[live],
+                 np.asarray(inter2)[live], state_tol)
+    assert bits_equal(state2, state1), "the cache was written"
+    assert bits_equal(np.asarray(inter2)[~live], np.asarray(inter1)[~live])
+
+
+SPEC_CASES = [(3, 3, 2, 1, 2, 8, 8, 5, "float32"), (4, 2, 1, 2, 4, 16, 8, 6, "bfloat16")]
+
+
+@pytest.mark.parametrize("case", SPEC_CASES, ids=lambda c: "N{}-D{}-M{}-H{}-HV{}-K{}-V{}-S{}-{}".format(*c))
+def test_speculative_step_rolls_back_to_every_count(case):
+  check_speculative(*case, backend=KERNEL_BACKEND)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", [(64, 4, 2, 16, 32, 128, 128, 80, "float32"),
+                                  (16, 3, 3, 6, 6, 256, 512, 20, "bfloat16")],
+                         ids=lambda c: "N{}-D{}-M{}-H{}-HV{}-K{}-V{}-S{}-{}".format(*c))
+def test_speculative_step_rolls_back_to_every_count_gpu(case):
+  check_speculative(*case, backend="triton", seed=3)
+
+
+def test_speculative_step_equals_accept_then_decode_bitwise():
+  """num_accepted gives the very bits of accept_draft_tokens followed by the plain step."""
+  N, D, M, H, HV, K, V, S = 4, 3, 2, 1, 2, 8, 8, 6
+  a = gdp_inputs(N, D, M, H, HV, K, V, S, "bfloat16", seed=13)
+  b = {n: x for n, x in gdp_inputs(N, D, M, H, HV, K, V, S, "bfloat16", seed=14).items()
+       if n in ("q", "k", "v", "g", "beta")}
+  kw = dict(num_householder=M, state_indices=a["state_indices"], use_qk_l2norm_in_kernel=True,
+            backend=KERNEL_BACKEND)
+  _, state1, inter1 = gdp_jax.gated_delta_product_decode(
+      **{n: a[n] for n in b}, state=a["state"], intermediate_states=a["intermediate_states"], **kw)
+  counts = jnp.asarray([3, 1, 2, 2], jnp.int32)
+  rolled = gdp_jax.accept_draft_tokens(state1, inter1, a["state_indices"], counts)
+  o_old, _, inter_old = gdp_jax.gated_delta_product_decode(
+      **b, state=rolled, intermediate_states=inter1, **kw)
+  o_new, state_new, inter_new = gdp_jax.gated_delta_product_decode(
+      **b, state=state1, intermediate_states=inter1, num_accepted=counts, **kw)
+  assert bits_equal(o_old, o_new)
+  assert bits_equal(inter_old, inter_new)
+  assert bits_equal(state_new, state1)
+
+
+def test_num_accepted_checks():
+  N, D, M, H, HV, K, V, S = 3, 2, 2, 1, 2, 8, 8, 4
+  a = gdp_inputs(N, D, M, H, HV, K, V, S, "float32", seed=0)
+  slots = np.asarray(a["state_indices"])  # request N // 2 is padding
+  call = lambda **kw: gdp_jax.gated_delta_product_decode(
+      **{**a, **kw}, num_householder=M, backend="reference")
+  for bad in (D + 1, -1):
+    counts = np.zeros(N, np.int32)
+    counts[0] = bad
+    with pytest.raises(ValueError, match=r"num_accepted: expected 0\.\.D = 0\.\.2"):
+      call(num_accepted=jnp.asarray(counts))
+  counts = np.zeros(N, np.int32)
+  counts[slots < 0] = 99  # a padding request may carry any count
+  call(num_accepted=jnp.asarray(counts))
+  with pytest.raises(ValueError, match="num_accepted: expected"):
+    call(num_accepted=jnp.zeros((N + 1,), jnp.int32))
+  with pytest.raises(ValueError, match="num_accepted: expected an index dtype"):
+    call(num_accepted=jnp.zeros((N,), jnp.float32))
+  with pytest.raises(ValueError, match="num_accepted: needs"):
+    call(num_accepted=jnp.zeros((N,), jnp.int32), intermediate_states=None)
+  with pytest.raises(ValueError, match="num_accepted: needs"):
+    gdp_jax.fused_recurrent_gated_delta_rule(
+        a["q"], a["k"][:, :D], a["v"][:, :D], num_accepted=jnp.zeros((N,), jnp.int32),
+        output_final_state=True, backend="reference")
+
+
+def test_traced_num_accepted_out_of_range_is_clamped():
+  """Under jit nothing checks the counts: below 0 reads the cache slot (as 0), above D the last
+  snapshot (as D), in the kernel and the reference alike; nothing outside the buffers."""
+  N, D, M, H, HV, K, V, S = 2, 2, 1, 1, 1, 4, 4, 3
+  a = gdp_inputs(N, D, M, H, HV, K, V, S, "float32", seed=2)
+  a["state_indices"] = jnp.asarray([0, 2], jnp.int32)
+  a["state"] = jnp.nan_to_num(a["state"])
+  a["intermediate_states"] = jnp.asarray(
+      np.random.default_rng(0).standard_normal((S, D, HV, K, V)), jnp.float32)
+  for backend in (KERNEL_BACKEND, "reference"):
+    run = jax.jit(lambda n: gdp_jax.gated_delta_product_decode(
+        **a, num_householder=M, num_accepted=n, backend=backend))
+    out = run(jnp.asarray([-5, D + 9], jnp.int32))
+    want = run(jnp.asarray([0, D], jnp.int32))
+    for x, y in zip(out, want):
+      assert bits_equal(x, y) if backend != "reference" else np.allclose(x, y)
 
 
 def test_accept_skips_invalid_counts_and_slots():
@@ -382,27 +505,20 @@ def test_prefill_then_decode_gpu(dtype):
                             backend="triton")
 
 
-@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=8, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.too_slow])
 @given(N=st.integers(1, 4), D=st.integers(1, 4), M=st.integers(1, 3), H=st.sampled_from([1, 2]),
        G=st.sampled_from([1, 2, 3]), K=st.integers(4, 40), V=st.integers(2, 24),
-       spare=st.integers(0, 24), dtype=st.sampled_from(["float32", "bfloat16"]),
-       kernel=st.sampled_from(["fold", "native"]))
-def test_gdp_decode_random_shapes(N, D, M, H, G, K, V, spare, dtype, kernel):
+       spare=st.integers(0, 24), dtype=st.sampled_from(["float32", "bfloat16"]))
+def test_gdp_decode_random_shapes(N, D, M, H, G, K, V, spare, dtype):
   """Random shapes, caches far larger than the batch (S up to N + 24), permuted slots with -1."""
-  prev = _configs.GDP_DECODE_KERNEL
-  _configs.GDP_DECODE_KERNEL = kernel
-  try:
-    check_gdp_decode(N, D, M, H, H * G, K, V, N + spare, dtype, backend=KERNEL_BACKEND)
-  finally:
-    _configs.GDP_DECODE_KERNEL = prev
+  check_gdp_decode(N, D, M, H, H * G, K, V, N + spare, dtype, backend=KERNEL_BACKEND)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("kernel", ["fold", "native"])
-def test_cache_past_int32_offsets_gpu(kernel, monkeypatch):
+def test_cache_past_int32_offsets_gpu():
   """A cache of more than 2**31 elements (S=1100, HV=32, K=128, V=512, bf16: 4.6 GB): a slot
   near the end is read and written where it lives, which needs int64 slot offsets."""
-  monkeypatch.setattr(_configs, "GDP_DECODE_KERNEL", kernel)
   N, D, M, H, HV, K, V, S = 2, 1, 2, 8, 32, 128, 512, 1100
   assert S * HV * K * V > 2 ** 31
   a = gdp_inputs(N, D, M, H, HV, K, V, 4, "bfloat16", seed=31)

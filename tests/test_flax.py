@@ -61,6 +61,11 @@ def _decode(layer, x, cache, slots):
   return layer.decode(x, cache, slots)
 
 
+@nnx.jit
+def _decode_from(layer, x, cache, slots, num_accepted):
+  return layer.decode(x, cache, slots, num_accepted)
+
+
 def _x(shape, seed=0):
   return jnp.asarray(np.random.default_rng(seed).standard_normal(shape), f64)
 
@@ -172,6 +177,45 @@ def test_speculative_decode_and_rollback(layer):
     gflax.accept_draft_tokens(layer.init_cache(2), slots[:2], accepted[:2])
   with pytest.raises(ValueError, match="slots"):
     _prefill(layer, x, slots=slots)
+
+
+def test_speculative_decode_from_accepted_snapshots(layer):
+  """decode(num_accepted) starts each request from its snapshots (state and convolution inputs)
+  after the tokens the last step kept: it follows the full prefill and equals
+  accept_draft_tokens followed by a plain decode, while the cache's state and conv stay as the
+  prefill left them."""
+  D = 3
+  x = _x((3, 2 + 2 * D, HIDDEN), seed=8)
+  slots = jnp.array([2, -1, 0], jnp.int32)
+  live = np.array([0, 2])
+  y_full = _prefill(layer, x)
+  cache = _nan_rows(layer.init_cache(4, num_draft=D, dtype=f64), [1, 3])
+  cache = gflax.reset_slots(cache, slots)
+  _, cache = _prefill(layer, x[:, :2], cache=cache, slots=slots)
+  # Fresh from prefill: count 0 starts from the cache itself.
+  y1, c1 = _decode_from(layer, x[:, 2:2 + D], cache, slots, jnp.zeros(3, jnp.int32))
+  y1_old, c1_old = _decode(layer, x[:, 2:2 + D], cache, slots)
+  assert_close("step 1 y", y1_old, y1, RTOL["float64"])
+  for name in ("state", "conv"):
+    assert bits_equal(getattr(c1, name), getattr(cache, name)), f"{name} was written"
+  accepted = jnp.array([1, 7, 2], jnp.int32)       # row 1 is padding: its count is ignored
+  nxt = jnp.stack([x[n, 2 + a:2 + a + D] for n, a in enumerate([1, 1, 2])])
+  y2, c2 = _decode_from(layer, nxt, c1, slots, accepted)
+  rolled = gflax.accept_draft_tokens(c1_old, slots, accepted.at[1].set(1))
+  y2_old, c2_old = _decode(layer, nxt, rolled, slots)
+  assert_close("step 2 y", y2_old[live], y2[live], RTOL["float64"])
+  assert bits_equal(y2[1], jnp.zeros_like(y2[1])), "padding request output is not zero"
+  for name in ("state_snapshots", "conv_snapshots"):
+    a, b = getattr(c2_old, name), getattr(c2, name)
+    assert_close(name, a[np.array([2, 0])], b[np.array([2, 0])], RTOL["float64"])
+  for n, a in [(0, 1), (2, 2)]:
+    assert_close(f"request {n} after keeping {a}", y_full[n, 2 + a:2 + a + D], y2[n],
+                 RTOL["float64"])
+  for s in (1, 3):   # nobody's slots: still NaN, bit for bit
+    for buf in (c2.state, c2.conv, c2.state_snapshots, c2.conv_snapshots):
+      assert bool(jnp.isnan(buf[s]).all())
+  with pytest.raises(ValueError, match="num_accepted"):
+    _decode_from(layer, x[:, :1], layer.init_cache(4, dtype=f64), slots, accepted)
 
 
 def test_layer_under_jit_with_donated_cache(layer):

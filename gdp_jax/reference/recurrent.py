@@ -31,7 +31,7 @@ def _l2norm(x):
 
 def _token_scan(q, k, v, g, beta, *, scale, l2norm, cu, initial_state, state, state_indices,
                 intermediate_states, steps_per_token, output_final_state, chunk_rows,
-                chunk_dtype):
+                chunk_dtype, num_accepted=None):
   """Walks a packed token stream token by token; the common core of the recurrent references.
 
   Args:
@@ -49,6 +49,9 @@ def _token_scan(q, k, v, g, beta, *, scale, l2norm, cu, initial_state, state, st
     intermediate_states: [S, T_i, HV, K, V] or None; written at [slot, (s+1)//spt - 1] after
       local step s when (s+1) % spt == 0.
     steps_per_token: spt above.
+    num_accepted: [N] int or None; with it sequence n starts from
+      intermediate_states[slot, num_accepted[n] - 1] (state[slot] where the count is 0,
+      counts clamped to 0..T_i) and the cache is not written.
     output_final_state: return the dense [N, HV, K, V] final state (ignored when `state`).
     chunk_rows: number of rows of the chunk_states buffer, or None for no snapshots. Row
       chunk_offsets[n] + c holds sequence n's state after its first 64c tokens.
@@ -96,7 +99,15 @@ def _token_scan(q, k, v, g, beta, *, scale, l2norm, cu, initial_state, state, st
   live = in_seq & (slot >= 0) & (slot < n_slots)
   slot_c = jnp.clip(slot, 0, n_slots - 1)
 
-  if state is not None:
+  if num_accepted is not None:
+    # The start states as they were before the scan, which rewrites the snapshots.
+    n_acc = jnp.clip(num_accepted.astype(jnp.int32), 0, intermediate_states.shape[1])
+    slot_n = jnp.clip(jnp.arange(N, dtype=jnp.int32) if state_indices is None
+                      else state_indices.astype(jnp.int32), 0, n_slots - 1)
+    snap = intermediate_states[slot_n, jnp.maximum(n_acc - 1, 0)].astype(cdt)
+    init_src = jnp.where((n_acc > 0)[:, None, None, None], snap, state[slot_n].astype(cdt))
+    init_idx = seqc
+  elif state is not None:
     init_src, init_idx = state, slot_c
   elif initial_state is not None:
     init_src, init_idx = initial_state, seqc
@@ -149,7 +160,7 @@ def _token_scan(q, k, v, g, beta, *, scale, l2norm, cu, initial_state, state, st
       s_idx = jnp.where(ok, slot_t, inter.shape[0])
       i_idx = jnp.where(ok, (local_t + 1) // steps_per_token - 1, 0)
       inter = inter.at[s_idx, i_idx].set(h.astype(inter.dtype), mode="drop")
-    if fin is not None:
+    if fin is not None and num_accepted is None:
       f_idx = jnp.where(live_t & end_t, fin_t, fin.shape[0])
       fin = fin.at[f_idx].set(h.astype(fin.dtype), mode="drop")
     return (h, fin, inter, cs), o_t
@@ -170,7 +181,7 @@ def fused_recurrent_gated_delta_rule(q, k, v, g=None, beta=None, *, scale=None,
                                      initial_state=None, output_final_state=False,
                                      use_qk_l2norm_in_kernel=False, cu_seqlens=None, state=None,
                                      state_indices=None, intermediate_states=None,
-                                     steps_per_token=1):
+                                     num_accepted=None, steps_per_token=1):
   """Gated delta rule (M = 1), token by token. Twin of `gdp_jax.fused_recurrent_gated_delta_rule`.
 
   Args:
@@ -194,6 +205,10 @@ def fused_recurrent_gated_delta_rule(q, k, v, g=None, beta=None, *, scale=None,
     intermediate_states: [S, T // steps_per_token, HV, K, V] snapshot buffer, or None. After
       step s of a sequence (s counted from its start) with (s + 1) % steps_per_token == 0, the
       state is written to [slot, (s + 1) // steps_per_token - 1] in the buffer's dtype.
+    num_accepted: [N] int draft tokens kept by the previous step, or None. With it (and state,
+      intermediate_states) sequence n starts from intermediate_states[slot, num_accepted[n] - 1]
+      (state[slot] where the count is 0; counts clamped to 0..T // steps_per_token) and the
+      cache is returned unwritten.
     steps_per_token: recurrence steps per snapshot (M when decoding a folded GDP stream).
 
   Returns:
@@ -224,7 +239,8 @@ def fused_recurrent_gated_delta_rule(q, k, v, g=None, beta=None, *, scale=None,
       scale=_default_scale(K, scale), l2norm=use_qk_l2norm_in_kernel, cu=cu,
       initial_state=initial_state, state=state, state_indices=state_indices,
       intermediate_states=intermediate_states, steps_per_token=steps_per_token,
-      output_final_state=output_final_state, chunk_rows=None, chunk_dtype=None)
+      output_final_state=output_final_state, chunk_rows=None, chunk_dtype=None,
+      num_accepted=num_accepted)
   out = (o.reshape(B, T, HV, V), fin)
   if intermediate_states is not None:
     out = out + (inter,)
@@ -326,7 +342,7 @@ def chunk_gated_delta_product(q, k, v, g=None, beta=None, *, num_householder, sc
 
 
 def gated_delta_product_decode(q, k, v, g, beta, *, num_householder, state, state_indices,
-                               intermediate_states=None, scale=None,
+                               intermediate_states=None, num_accepted=None, scale=None,
                                use_qk_l2norm_in_kernel=False):
   """D draft tokens per request against the cache. Twin of `gdp_jax.gated_delta_product_decode`.
 
@@ -345,6 +361,9 @@ def gated_delta_product_decode(q, k, v, g, beta, *, num_householder, state, stat
       zeros, writes nothing, outputs 0.
     intermediate_states: [S, D, HV, K, V] or None; [slot, d] receives the state after draft
       token d (all M updates), in the buffer's dtype.
+    num_accepted: [N] int or None; with it request n starts from
+      intermediate_states[slot, num_accepted[n] - 1] (state[slot] where the count is 0; counts
+      clamped to 0..D), and the cache is returned unwritten.
     scale: query scale, default K ** -0.5.
     use_qk_l2norm_in_kernel: normalise q and k rows first.
 
@@ -373,7 +392,12 @@ def gated_delta_product_decode(q, k, v, g, beta, *, num_householder, state, stat
   slots = (jnp.arange(N, dtype=jnp.int32) if state_indices is None
            else state_indices.astype(jnp.int32))
   live = (slots >= 0) & (slots < S)
-  h = jnp.where(live[:, None, None, None], state[jnp.clip(slots, 0, S - 1)].astype(cdt), 0)
+  h = state[jnp.clip(slots, 0, S - 1)].astype(cdt)
+  if num_accepted is not None:
+    n_acc = jnp.clip(num_accepted.astype(jnp.int32), 0, D)
+    snap = intermediate_states[jnp.clip(slots, 0, S - 1), jnp.maximum(n_acc - 1, 0)]
+    h = jnp.where((n_acc > 0)[:, None, None, None], snap.astype(cdt), h)
+  h = jnp.where(live[:, None, None, None], h, 0)
   # Padding requests scatter to row S, which mode="drop" discards (-1 would wrap to the end).
   w_slots = jnp.where(live, slots, S)
   outs = []
@@ -392,7 +416,8 @@ def gated_delta_product_decode(q, k, v, g, beta, *, num_householder, state, stat
     if intermediate_states is not None:
       intermediate_states = intermediate_states.at[w_slots, d].set(
           h.astype(intermediate_states.dtype), mode="drop")
-  state = state.at[w_slots].set(h.astype(state.dtype), mode="drop")
+  if num_accepted is None:
+    state = state.at[w_slots].set(h.astype(state.dtype), mode="drop")
   out = (jnp.stack(outs, axis=1), state)
   if intermediate_states is not None:
     out = out + (intermediate_states,)
