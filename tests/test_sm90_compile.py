@@ -29,6 +29,7 @@ CASES = [("prefill", "bfloat16", 256, 512, 2), ("prefill", "float32", 256, 512, 
          ("prefill", "bfloat16", 128, 128, 2), ("prefill", "bfloat16", 128, 128, 16),
          ("prefill", "float32", 128, 128, 16),
          ("decode", "bfloat16", 256, 512, 4), ("decode", "float32", 256, 512, 4),
+         ("speculative", "bfloat16", 256, 512, 4),
          ("train", "bfloat16", 256, 512, 2), ("train", "float32", 256, 512, 2),
          ("train", "bfloat16", 128, 128, 16), ("train", "float32", 128, 128, 16)]
 
@@ -80,12 +81,14 @@ def _record_launches(what, dtype, K, V, N):
     D = 3
     args = (sds((N, D, H, K), dt), sds((N, D * M, H, K), dt), sds((N, D * M, HV, V), dt),
             sds((N, D, HV), f32), sds((N, D * M, HV), f32), sds((S, HV, K, V), f32),
-            sds((N,), jnp.int32), sds((S, D, HV, K, V), f32))
+            sds((N,), jnp.int32), sds((S, D, HV, K, V), f32), sds((N,), jnp.int32))
 
-    def run(q, k, v, g, beta, state, idx, inter):
+    def run(q, k, v, g, beta, state, idx, inter, accepted):
+      # "speculative": the step that starts from the previous step's snapshots.
       return gdp_jax.gated_delta_product_decode(
           q, k, v, g, beta, num_householder=M, state=state, state_indices=idx,
-          intermediate_states=inter, use_qk_l2norm_in_kernel=True, backend="triton")
+          intermediate_states=inter, use_qk_l2norm_in_kernel=True, backend="triton",
+          num_accepted=accepted if what == "speculative" else None)
   jax.eval_shape(run, *args)
   return launches
 
