@@ -49,3 +49,16 @@ def decode_config(K: int, V: int) -> DecodeConfig:
   # Keep the state tile at 64 float32 registers per thread or fewer (K = 256 takes two warps).
   num_warps = max(1, min(8, BK * BV // (64 * 32)))
   return DecodeConfig(BV=BV, num_warps=num_warps)
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodePrepareConfig:
+  """The decode prepare's launch: one program per (request, draft token), all heads in it."""
+  num_warps: int
+  num_stages: int = 1
+
+
+def decode_prepare_config(H: int, K: int) -> DecodePrepareConfig:
+  """The [H, K] query tile dominates a program's work: about 8 elements per thread, at most 4
+  warps. An elementwise map: no choice here changes a bit of the result."""
+  return DecodePrepareConfig(num_warps=max(1, min(4, _next_pow2(H) * _next_pow2(K) // 256)))

@@ -77,11 +77,11 @@ def gated_delta_product_decode_prepare(q, k, v, a, b, A_log, dt_bias, *, num_hou
       jax.ShapeDtypeStruct((N, D * M, HV), f32),
       jax.ShapeDtypeStruct((N, D * M, HV), f32),
   )
-  # The query tile dominates a program's work: about 8 elements per thread, at most 4 warps.
-  num_warps = max(1, min(4, BH * BK // 256))
+  cfg = _configs.decode_prepare_config(H, K)
   q_fold, g_fold, beta = _launch.call(
       "decode_prepare.decode_prepare_fwd_kernel", q, a, b, A_log, dt_bias,
-      grid=(N * D,), out_shape=out_shape, backend=backend, num_warps=num_warps, num_stages=1,
+      grid=(N * D,), out_shape=out_shape, backend=backend, num_warps=cfg.num_warps,
+      num_stages=cfg.num_stages,
       H=H, K=K, HV=HV, M=M, BH=BH, BK=BK, BHV=_configs._next_pow2(HV),
       BM=_configs._next_pow2(M), ALLOW_NEG_EIGVAL=bool(allow_neg_eigval),
       # Triton's interpreter cannot call libdevice (see the kernel's docstring).
