@@ -22,7 +22,8 @@ $OUT/decode.json as soon as it exists, tables go to stdout):
    * relative errors of ours against the jnp reference (float32) and against fla: a Triton
      miscompile on Hopper shows here before it shows in a timing.
 4. A bfloat16 cache at N = 256, HV = 16.
-5. Speculative steps (--parts spec) at N = 256, HV = 16, D in {2, 4, 8}: the verify step that
+5. Speculative steps (--parts spec) at N = 256, HV = 16, D in {2, 4, 8} (and D = 4 with
+   bfloat16 snapshots, float32 cache): the verify step that
    writes the state and D snapshots followed by `accept_draft_tokens` (the rollback copy),
    against the step that starts from the previous step's snapshots through `num_accepted`
    (random counts in 1..D) and writes only the snapshots; the plain D = 1 step and fla-core's
@@ -354,20 +355,20 @@ class Bench:
 
     return jax.jit(f, donate_argnums=(0, 1))
 
-  def spec_inputs(self, N, HV, D, S, seed):
+  def spec_inputs(self, N, HV, D, S, seed, snap_dtype="float32"):
     """Inputs of a speculative step: the snapshots hold states (the new path reads them), and
     the accepted counts are random in 1..D."""
     jnp, np = self.jnp, self.np
     x, state, slots, _ = self.inputs(N, HV, D, S, seed=seed)
-    inter = jnp.broadcast_to(state[:, None], (S, D) + state.shape[1:]) * jnp.linspace(
-        0.5, 1.5, D, dtype=jnp.float32)[None, :, None, None, None]
+    inter = (jnp.broadcast_to(state[:, None], (S, D) + state.shape[1:]) * jnp.linspace(
+        0.5, 1.5, D, dtype=jnp.float32)[None, :, None, None, None]).astype(snap_dtype)
     num = jnp.asarray(np.random.default_rng(seed).integers(1, D + 1, N), jnp.int32)
     return x, state, slots, inter, num
 
   def spec_row(self, row):
     """The old verify + rollback copy against the new step, at one (N, HV, D)."""
-    N, HV, D, S = row["N"], row["HV"], row["D"], row["S"]
-    x, state, slots, inter, num = self.spec_inputs(N, HV, D, S, seed=N + D)
+    N, HV, D, S, sdt = row["N"], row["HV"], row["D"], row["S"], row["snapshots"]
+    x, state, slots, inter, num = self.spec_inputs(N, HV, D, S, seed=N + D, snap_dtype=sdt)
     # Bitwise: the new step equals the rollback copy followed by the old step.
     old, new = self.spec_fn("accept"), self.spec_fn("num_accepted")
     rolled = self.gdp_jax.accept_draft_tokens(state, inter, slots, num)
@@ -380,13 +381,14 @@ class Bench:
     row["same_bits"] = same(o_old, o_new) and same(i_old[live], i_new[live])
     del rolled, o_old, i_old, o_new, i_new
     per_state = HV * self.K * self.V * 4
-    # State-sizes moved per step: old 1 read + 1 write + D snapshots + the copy (read + write);
-    # new 1 read + D snapshots.
-    row["bytes_accept"] = N * per_state * (4 + D)
-    row["bytes_new"] = N * per_state * (1 + D)
+    snap = per_state * self.np.dtype(self.jnp.dtype(sdt)).itemsize // 4
+    # Bytes per step: old 1 read + 1 write + D snapshots + the copy (a snapshot read, a state
+    # write); new 1 read (a snapshot's) + D snapshots.
+    row["bytes_accept"] = N * (3 * per_state + (D + 1) * snap)
+    row["bytes_new"] = N * (1 + D) * snap
     for mode, key in (("accept", "accept"), ("num_accepted", "new")):
       loop = self.spec_fn(mode, steps=self.loop_steps)
-      x, state, slots, inter, num = self.spec_inputs(N, HV, D, S, seed=N + D)
+      x, state, slots, inter, num = self.spec_inputs(N, HV, D, S, seed=N + D, snap_dtype=sdt)
       t = common.time_jax(self.run_chain(loop, state, inter, x, slots, num))
       row[f"{key}_loop_ms"], row[f"{key}_spread"] = t["ms"] / self.loop_steps, t["spread"]
       row[f"{key}_TBps"] = row[f"bytes_{key}"] / (row[f"{key}_loop_ms"] * 1e-3) / 1e12
@@ -466,6 +468,7 @@ MAIN_COLS = [
 
 SPEC_COLS = [
     ("N", "N", "d"), ("HV", "HV", "d"), ("D", "D", "d"), ("S", "S", "d"),
+    ("snapshots", "snapshots", "s"),
     ("accept_loop_ms", "verify+accept", ".4f"), ("accept_TBps", "TB/s", ".2f"),
     ("new_loop_ms", "num_accepted", ".4f"), ("new_TBps", "TB/s", ".2f"),
     ("d1_loop_ms", "D=1", ".4f"), ("new_over_d1", "new/D1", ".2f"),
@@ -550,10 +553,11 @@ def main():
 
     # Speculative steps: the rollback copy against num_accepted.
     if "spec" in parts:
-      spec_shapes = [(2, 2, 2, 3), (2, 2, 4, 3)] if b.smoke else [
-          (256, 16, D, 256) for D in (4, 2, 8)]
-      srows = [common.run_row(results, "spec", dict(N=N, HV=HV, D=D, S=S), b.spec_row, budget)
-               for N, HV, D, S in spec_shapes]
+      spec_shapes = [(2, 2, 2, 3, "float32"), (2, 2, 4, 3, "bfloat16")] if b.smoke else [
+          (256, 16, D, 256, "float32") for D in (4, 2, 8)] + [(256, 16, 4, 256, "bfloat16")]
+      srows = [common.run_row(results, "spec", dict(N=N, HV=HV, D=D, S=S, snapshots=sdt),
+                              b.spec_row, budget)
+               for N, HV, D, S, sdt in spec_shapes]
       common.print_table(f"speculative step (loop ms per step of {b.loop_steps} in one jit)",
                          srows, SPEC_COLS)
 
