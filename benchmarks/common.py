@@ -101,7 +101,7 @@ def versions() -> dict:
   except Exception as e:
     info["device"] = f"unknown ({e})"
   for name in ("XLA_PYTHON_CLIENT_MEM_FRACTION", "TRITON_CACHE_DIR", "FLA_CACHE_RESULTS",
-               "XLA_FLAGS", "GDP_TRITON_CALL_TARGET"):
+               "XLA_FLAGS"):
     info[name] = os.environ.get(name)
   return info
 

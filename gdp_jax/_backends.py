@@ -1,8 +1,10 @@
 """Resolves the `backend` argument of every entry point, and runs each call as one jit program.
 
 "auto" runs the Triton kernels through jax_triton on a GPU and the jnp references elsewhere;
-"triton" forces the kernels, "reference" the references, and "interpret" runs the very same
-Triton kernels on the CPU through Triton's interpreter.
+"triton" forces the kernels, "xla_triton" launches the same kernels through XLA's own Triton
+custom call (GPU only, opt-in: cheaper per launch, scalars compiled in; gdp_jax/_launch.py),
+"reference" the references, and "interpret" runs the very same Triton kernels on the CPU
+through Triton's interpreter.
 """
 from __future__ import annotations
 
@@ -10,18 +12,18 @@ import functools
 
 import jax
 
-BACKENDS = ("auto", "triton", "reference", "interpret")
+BACKENDS = ("auto", "triton", "xla_triton", "reference", "interpret")
 
 
 def resolve(backend: str) -> str:
-  """Returns one of "triton", "reference", "interpret"."""
+  """Returns one of "triton", "xla_triton", "reference", "interpret"."""
   if backend not in BACKENDS:
     raise ValueError(f"backend: expected one of {BACKENDS}, got {backend!r}")
   if backend == "auto":
     return "triton" if jax.default_backend() == "gpu" else "reference"
-  if backend == "triton" and jax.default_backend() != "gpu":
+  if backend in ("triton", "xla_triton") and jax.default_backend() != "gpu":
     raise NotImplementedError(
-        "backend='triton' needs a CUDA GPU visible to JAX (jax.default_backend() is "
+        f"backend={backend!r} needs a CUDA GPU visible to JAX (jax.default_backend() is "
         f"{jax.default_backend()!r}); use backend='interpret' to run the same kernels on the "
         "CPU, or backend='reference'.")
   return backend

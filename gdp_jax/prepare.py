@@ -85,5 +85,5 @@ def gated_delta_product_decode_prepare(q, k, v, a, b, A_log, dt_bias, *, num_hou
       H=H, K=K, HV=HV, M=M, BH=BH, BK=BK, BHV=_configs._next_pow2(HV),
       BM=_configs._next_pow2(M), ALLOW_NEG_EIGVAL=bool(allow_neg_eigval),
       # Triton's interpreter cannot call libdevice (see the kernel's docstring).
-      USE_LIBDEVICE=backend == "triton")
+      USE_LIBDEVICE=backend != "interpret")
   return q_fold, g_fold, beta

@@ -16,6 +16,29 @@ KERNEL_BACKEND = "triton" if jax.default_backend() == "gpu" else "interpret"
 
 
 # -------------------------------------------------------------------------------------------------
+# `pytest -m gpu --launch=xla_triton` runs the whole GPU suite with every kernel launch that asks
+# for backend "triton" handed to XLA's Triton custom call instead (gdp_jax/_launch.py): the same
+# tests, the same expectations, the other launch path. The switch is made once per process,
+# before any test traces, so no jit cache holds programs of both paths.
+
+def pytest_addoption(parser):
+  parser.addoption("--launch", choices=("jax_triton", "xla_triton"), default="jax_triton",
+                   help="launch path of backend 'triton' kernels in the GPU tests")
+
+
+def pytest_configure(config):
+  if config.getoption("--launch") != "xla_triton":
+    return
+  from gdp_jax import _launch
+  call = _launch.call
+
+  def call_through_xla(*args, backend, **kwargs):
+    return call(*args, backend="xla_triton" if backend == "triton" else backend, **kwargs)
+
+  _launch.call = call_through_xla
+
+
+# -------------------------------------------------------------------------------------------------
 # The summary says how many GPU tests were deselected, and how to run them. pyproject's addopts
 # deselect the `gpu` marker; under pytest-xdist the workers collect and deselect, so each worker
 # hands its count to the controller through `workeroutput` (all workers collect the same tests).

@@ -1,7 +1,8 @@
 """The launch module end to end, on a tiny kernel that updates rows of an aliased cache.
 
 On a CPU it runs through Triton's interpreter inside jax.pure_callback; on a GPU (`-m gpu`)
-through jax_triton, where the donated cache must also keep its device buffer.
+through jax_triton and through XLA's Triton custom call, where the donated cache must also keep
+its device buffer.
 """
 import jax
 import jax.numpy as jnp
@@ -100,53 +101,16 @@ def test_launch_rejects_alias_of_another_shape():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["triton", "xla_triton"])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["fp32", "bf16"])
-def test_aliased_cache_triton_donated(dtype):
+def test_aliased_cache_gpu_donated(dtype, backend):
   x, idx, cache = _case(dtype)
   expect_cache = cache.copy()
-  step = jax.jit(lambda x, i, c: _run(x, i, c, 0.5, "triton"), donate_argnums=2)
+  step = jax.jit(lambda x, i, c: _run(x, i, c, 0.5, backend), donate_argnums=2)
   ptr = cache.unsafe_buffer_pointer()
   y, new_cache = step(x, idx, cache)
   assert new_cache.unsafe_buffer_pointer() == ptr, "the donated cache moved to another buffer"
   _check(x, idx, expect_cache, y, new_cache, 0.5)
-
-
-_FFI_SCRIPT = r"""
-import sys
-import jax, jax.numpy as jnp, numpy as np
-sys.path.insert(0, sys.argv[2])
-import test_launch as tl_
-x, idx, cache = tl_._case(jnp.float32)
-step = jax.jit(lambda x, i, c: tl_._run(x, i, c, 0.5, "triton"), donate_argnums=2)
-text = step.lower(x, idx, cache).as_text()
-ptr = cache.unsafe_buffer_pointer()
-y, new_cache = step(x, idx, cache)
-np.savez(sys.argv[1], y=np.asarray(y), cache=np.asarray(new_cache),
-         ffi=("triton_kernel_call_ffi" in text), same_buffer=(new_cache.unsafe_buffer_pointer() == ptr))
-"""
-
-
-@pytest.mark.gpu
-def test_ffi_call_target_gpu(tmp_path):
-  """GDP_TRITON_CALL_TARGET=ffi lowers to the CUDA-graph-capturable FFI target and gives the
-  same bits as the legacy target, donated cache still in place (a fresh process: the target
-  is chosen when jax_triton is imported)."""
-  import os
-  import pathlib
-  import subprocess
-  import sys
-  out = tmp_path / "ffi.npz"
-  env = dict(os.environ, GDP_TRITON_CALL_TARGET="ffi", XLA_PYTHON_CLIENT_PREALLOCATE="false")
-  tests = str(pathlib.Path(__file__).resolve().parent)
-  proc = subprocess.run([sys.executable, "-c", _FFI_SCRIPT, str(out), tests], env=env,
-                        capture_output=True, text=True, timeout=300)
-  assert proc.returncode == 0, proc.stderr[-3000:]
-  r = np.load(out)
-  assert bool(r["ffi"]), "the lowered module does not call triton_kernel_call_ffi"
-  assert bool(r["same_buffer"]), "the donated cache moved to another buffer"
-  x, idx, cache = _case(jnp.float32)
-  y, new_cache = jax.jit(lambda x, i, c: _run(x, i, c, 0.5, "triton"))(x, idx, cache)
-  assert bits_equal(r["y"], np.asarray(y)) and bits_equal(r["cache"], np.asarray(new_cache))
 
 
 def test_differentiating_a_launch_says_forward_only():

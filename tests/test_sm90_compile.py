@@ -39,16 +39,17 @@ def _record_launches(what, dtype, K, V, N):
   import jax
   import jax.numpy as jnp
   import gdp_jax
-  from gdp_jax import _backends, _launch
+  from gdp_jax import _backends, _launch_jax_triton, _launch_spec
 
   launches = []
 
-  def recorder(kernel, args, grid, out_shape, aliases, num_warps, num_stages, constexprs):
-    fn = _launch._resolve_kernel(kernel, interpret=False)
-    launches.append((fn, args, out_shape, num_warps, num_stages, constexprs))
-    return tuple(jnp.zeros(s.shape, s.dtype) for s in out_shape)
+  def recorder(spec, arrays):
+    fn = _launch_spec.kernel_function(spec.kernel, interpret=False)
+    launches.append((fn, spec.with_arrays(arrays), spec.out_shape, spec.num_warps,
+                     spec.num_stages, dict(spec.constexprs)))
+    return tuple(jnp.zeros(s.shape, s.dtype) for s in spec.out_shape)
 
-  _launch._jax_triton = recorder
+  _launch_jax_triton.run = recorder
   _backends.resolve = lambda backend: "triton"
   dt = jnp.dtype(dtype)
   H, HV, M, S = 2, 4, 2, 16
@@ -159,6 +160,10 @@ def main():
 def test_every_launch_fits_sm90_shared_memory():
   env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
   env["JAX_PLATFORMS"] = "cpu"
+  # The checkout this file is in, not whichever gdp_jax is installed (the script's own folder,
+  # tests/, is what Python puts first on its path).
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
   proc = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True,
                         timeout=900)
   assert proc.returncode == 0, proc.stderr[-4000:]
