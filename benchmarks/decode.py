@@ -35,6 +35,13 @@ $OUT/decode.json as soon as it exists, tables go to stdout):
 7. (--parts profile, not in the default) A kernel profile of our 16-step loop (jax.profiler)
    and of fla-core's 16 eager steps (torch.profiler), CUPTI's device times per kernel: per step,
    how long kernels ran and the span they took, so launch gaps show apart from kernel time.
+7. (--parts launch, not in the default) Launch cost per launch backend ("triton", "xla_triton"):
+   64 decode steps in a lax.fori_loop and unrolled in one jit, and one step per jitted call, at
+   N = 1, 8, 32, 256 (HV = 16, D = 1), beside fla-core's 64 steps in one CUDA graph, the second
+   backend's final state compared bit for bit with the first's; the same for a trivial kernel
+   (us per launch); at N = 1 where a step's time goes (kernels, idle between them inside the
+   call, outside it); and one prefill call, forward and forward+backward, kernel by kernel, to
+   see whether XLA's Triton compiles a kernel slower than pip's.
 
 `--cpu-smoke` runs the same code at tiny shapes through Triton's interpreter, without torch
 or fla, to prove the plumbing on a machine without a GPU (its times mean nothing).
@@ -65,14 +72,11 @@ def parse_args():
   p.add_argument("--out", default=None, help="output folder (default $OUT or ./bench_out)")
   p.add_argument("--skip-fla", action="store_true")
   p.add_argument("--parts", default="copy,first,main,bf16,spec,sweep",
-                 help="comma-separated subset of copy,first,main,bf16,spec,sweep,profile (e.g. "
-                      "'copy,sweep' for a second call that only sweeps; 'profile' is not in "
-                      "the default)")
+                 help="comma-separated subset of copy,first,main,bf16,spec,sweep,profile,launch "
+                      "(e.g. 'copy,sweep' for a second call that only sweeps; 'profile' and "
+                      "'launch' are not in the default)")
   p.add_argument("--shapes", default=None,
                  help="main-table rows as NxHVxD[xS] items, comma-separated (default: all)")
-  p.add_argument("--call-target", choices=("legacy", "ffi"), default=None,
-                 help="custom call our kernels lower to (GDP_TRITON_CALL_TARGET; 'ffi' can be "
-                      "captured into XLA command buffers)")
   p.add_argument("--sweep-grid", default=None,
                  help="the sweep's grid as 'N=256,1,8;BV=8,16,32,64;warps=1,2,4,8' (any subset; "
                       "the rest keep these defaults)")
@@ -446,6 +450,237 @@ class Bench:
     common.print_table(f"sweep N={N} HV={HV} D={D} (loop ms per step)", rows, SWEEP_COLS)
 
 
+# ------------------------------------------------------------------------------------------------
+# 7. (--parts launch, not in the default) Launch cost at small batch, per launch backend: steps in
+# a lax.fori_loop and unrolled in one jit, beside fla-core's CUDA graph; where a jitted step's
+# time goes; a trivial kernel's launch; the prefill's kernels as each backend compiles them.
+
+LAUNCH_STEPS = 64           # steps per jitted call (fori_loop or unrolled) and per CUDA graph
+LAUNCH_BACKENDS = ("triton", "xla_triton")
+
+
+def launch_steps_fn(b, backend, steps, loop):
+  """A jitted function running `steps` decode steps (HV, K, V, M of the bench, D = 1) with the
+  cache donated: in a lax.fori_loop (loop "fori") or unrolled (loop "unrolled")."""
+  jax, jnp, gdp_jax, M = b.jax, b.jnp, b.gdp_jax, b.M
+
+  def step(state, x, slots):
+    return gdp_jax.gated_delta_product_decode(
+        x["q"], x["k"], x["v"], x["g"], x["beta"], num_householder=M, state=state,
+        state_indices=slots, use_qk_l2norm_in_kernel=True, backend=backend)
+
+  def f(state, x, slots):
+    if loop == "fori":
+      N, D = x["q"].shape[:2]
+      o = jnp.zeros((N, D) + x["v"].shape[2:], x["v"].dtype)
+      return jax.lax.fori_loop(0, steps, lambda i, c: step(c[1], x, slots), (o, state))
+    o = None
+    for _ in range(steps):
+      o, state = step(state, x, slots)
+    return o, state
+
+  return jax.jit(f, donate_argnums=0)
+
+
+def launch_chain(fn, state, *args):
+  """A zero-argument callable running `fn(state, *args)` once, threading the donated state."""
+  box = [state]
+
+  def call():
+    o, box[0] = fn(box[0], *args)
+    return o, box[0]
+
+  return call
+
+
+_BUMP = {}
+
+
+def bump_kernel():
+  """A trivial Triton kernel (one 16-float row read, incremented, written back in place): its
+  time per launch is the launch path's cost. Defined on first use, after common.setup_env has
+  chosen Triton's mode."""
+  if "kernel" not in _BUMP:
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def bump_row_kernel(x_in, x_out, BLOCK: tl.constexpr):
+      o = tl.arange(0, BLOCK)
+      tl.store(x_out + o, tl.load(x_in + o) + 1.0)
+
+    _BUMP["kernel"] = bump_row_kernel
+  return _BUMP["kernel"]
+
+
+def bump_fn(b, backend, steps, loop):
+  """`steps` launches of the trivial kernel in one jit, each on the previous one's output."""
+  jax = b.jax
+  from gdp_jax import _launch
+
+  def bump(x):
+    (x,) = _launch.call(bump_kernel(), x, grid=(1,), out_shape=[x], backend=backend,
+                        input_output_aliases={0: 0}, num_warps=1, num_stages=1, BLOCK=16)
+    return x
+
+  def f(x):
+    if loop == "fori":
+      x = jax.lax.fori_loop(0, steps, lambda i, x: bump(x), x)
+    else:
+      for _ in range(steps):
+        x = bump(x)
+    return x, x
+
+  return jax.jit(f, donate_argnums=0)
+
+
+def launch_row(b, row, bits):
+  """One (N, backend, loop) cell: microseconds per step (or per launch, kernel "bump").
+  `bits` collects each backend's final state per (N, loop), so the second backend's row says
+  whether it gave the same bits."""
+  jnp, np = b.jnp, b.np
+  N, backend, loop, steps = row["N"], row["backend"], row["loop"], row["steps"]
+  if row["kernel"] == "bump":
+    fn, per = bump_fn(b, backend, steps, loop), steps
+    x0 = jnp.zeros((16,), jnp.float32)
+    out = np.asarray(fn(jnp.copy(x0))[0])
+    row["err"] = float(np.max(np.abs(out - steps)))  # every launch adds 1
+    t = common.time_jax(launch_chain(lambda x: fn(x), x0))
+    row["us"] = t["ms"] * 1e3 / per
+    return
+  HV = 2 if b.smoke else 16
+  x, state, slots, _ = b.inputs(N, HV, 1, N, seed=11 + N)
+  if backend == "fla":
+    fla_step = b.fla_step_fn(x, state, slots)
+    row["us"] = common.time_torch_graph(fla_step, steps=steps) * 1e3
+    return
+  fn = launch_steps_fn(b, backend, steps, loop)
+  _, new_state = fn(jnp.copy(state), x, slots)
+  if loop == "call":
+    ref_o, ref_state = b.reference(x, state, slots, None)
+    row["err_ref"] = common.rel_err(new_state[slots], ref_state[slots])
+  as_bits = lambda a: b.jax.lax.bitcast_convert_type(a, jnp.uint32)
+  other = bits.setdefault((N, loop), {})
+  for name, s in other.items():
+    row[f"same_bits_as_{name}"] = bool(jnp.all(as_bits(new_state) == as_bits(s)))
+  other[backend] = new_state
+  t = common.time_jax(launch_chain(fn, state, x, slots))
+  row["us"] = t["ms"] * 1e3 / steps
+  row["spread"] = t["spread"]
+
+
+def launch_profile_row(b, row):
+  """Where one jitted small-batch step spends its time (us per step, CUPTI through
+  jax.profiler): kernels (device busy), idle between them inside the call (each launch's host
+  latency, the loop's own work), and outside the call (dispatching the jitted program, shared
+  by its steps), the wall time per step from back-to-back calls."""
+  jnp = b.jnp
+  N, backend, loop, steps = row["N"], row["backend"], row["loop"], row["steps"]
+  HV = 2 if b.smoke else 16
+  x, state, slots, _ = b.inputs(N, HV, 1, N, seed=13)
+  fn = launch_steps_fn(b, backend, steps, loop)
+  t = common.time_jax(launch_chain(fn, jnp.copy(state), x, slots))
+  prof = common.profile_jax(launch_chain(fn, state, x, slots))
+  row["wall_us"] = t["ms"] * 1e3 / steps
+  row["kernel_us"] = prof["busy_us"] / steps
+  row["idle_us"] = (prof["span_us"] - prof["busy_us"]) / steps
+  row["outside_us"] = row["wall_us"] - prof["span_us"] / steps
+  row["kernels"] = {k["name"]: k["count"] / steps for k in prof["kernels"]}
+  row["profile"] = prof
+  common.print_profile(f"{backend} {loop} N={N}, {steps} steps in one jit", prof, per=steps,
+                       unit="step", timeline=True)
+
+
+def launch_prefill_row(b, row):
+  """One prefill call (forward, or forward and backward) under one launch backend: its time and
+  its kernels' device times, to see whether XLA's Triton compiles a kernel slower than pip's."""
+  jax, jnp = b.jax, b.jnp
+  B, T, H, K, M = row["B"], row["T"], row["H"], row["K"], row["M"]
+  backend, grad = row["backend"], row["what"] == "fwd+bwd"
+  ks = jax.random.split(jax.random.PRNGKey(5), 5)
+  bf16 = jnp.bfloat16
+  q = jax.random.normal(ks[0], (B, T, H, K), jnp.float32).astype(bf16)
+  k = jax.random.normal(ks[1], (B, T * M, H, K), jnp.float32).astype(bf16)
+  v = jax.random.normal(ks[2], (B, T * M, H, K), jnp.float32).astype(bf16)
+  g = jax.nn.log_sigmoid(jax.random.uniform(ks[3], (B, T, H), jnp.float32, 2.0, 6.0))
+  beta = jax.nn.sigmoid(jax.random.normal(ks[4], (B, T * M, H), jnp.float32)).astype(bf16)
+
+  def fwd(q, k, v, g, beta):
+    return b.gdp_jax.chunk_gated_delta_product(q, k, v, g, beta, num_householder=M,
+                                               use_qk_l2norm_in_kernel=True, backend=backend)[0]
+
+  if grad:
+    loss = lambda *a: jnp.sum(fwd(*a).astype(jnp.float32) ** 2)
+    fn = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4)))
+  else:
+    fn = jax.jit(fwd)
+  call = lambda: fn(q, k, v, g, beta)
+  row["ms"] = common.time_jax(call)["ms"]
+  prof = common.profile_jax(call)
+  row["kernel_us"] = {k_["name"]: k_["us"] for k_ in prof["kernels"]}
+  common.print_profile(f"prefill {row['what']} {backend} B={B} T={T} H={H} K={K} M={M}", prof)
+
+
+def launch_part(b, results, budget):
+  """Section 7: launch cost tables (see the block comment above)."""
+  backends = ("interpret",) if b.smoke else LAUNCH_BACKENDS
+  steps = 2 if b.smoke else LAUNCH_STEPS
+  Ns = (1, 2) if b.smoke else (1, 8, 32, 256)
+  results.set_meta(launch_steps=steps)
+  bits, rows = {}, []
+  plan = [dict(kernel="bump", N=0, backend=be, loop=lp, steps=steps)
+          for be in backends for lp in ("unrolled", "fori")]
+  for N in Ns:
+    plan += [dict(kernel="decode", N=N, backend=be, loop=lp, steps=1 if lp == "call" else steps)
+             for lp in ("fori", "unrolled", "call") for be in backends]
+    if b.fla is not None:
+      plan.append(dict(kernel="decode", N=N, backend="fla", loop="cuda_graph", steps=steps))
+  for row in plan:
+    rows.append(common.run_row(results, "launch", row, lambda r: launch_row(b, r, bits), budget))
+  common.print_table(f"launch cost (us per step, or per launch for kernel 'bump'; {steps} "
+                     "steps per jit / per CUDA graph)", rows, LAUNCH_COLS)
+
+  prows = [common.run_row(results, "launch_profile",
+                          dict(N=N, backend=be, loop=lp, steps=steps),
+                          lambda r: launch_profile_row(b, r), budget)
+           for N in Ns[:1] for be in backends for lp in ("fori", "unrolled")]
+  common.print_table("where a jitted step's time goes (us per step)", prows,
+                     LAUNCH_PROFILE_COLS)
+
+  shape = (dict(B=1, T=40, H=1, K=16, M=2) if b.smoke else dict(B=1, T=8192, H=16, K=128, M=2))
+  frows = [common.run_row(results, "launch_prefill", dict(shape, what=w, backend=be),
+                          lambda r: launch_prefill_row(b, r), budget)
+           for w in ("fwd", "fwd+bwd") for be in backends]
+  common.print_table("prefill per launch backend (ms per call)", frows, LAUNCH_PREFILL_COLS)
+  # Kernel by kernel, the second backend's device time over the first's.
+  for w in ("fwd", "fwd+bwd"):
+    pair = [r for r in frows if r["what"] == w and r.get("kernel_us")]
+    if len(pair) == 2:
+      a, c = pair
+      print(f"\n-- prefill {w}: kernel device time, {c['backend']} / {a['backend']}")
+      for name, us in sorted(a["kernel_us"].items(), key=lambda kv: -kv[1])[:12]:
+        other = c["kernel_us"].get(name)
+        ratio = f"{other / us:6.3f}" if other and us else "   -  "
+        print(f"   {us:10.1f} us  {ratio}  {name[:80]}")
+
+
+LAUNCH_COLS = [
+    ("kernel", "kernel", ""), ("N", "N", "d"), ("backend", "backend", ""), ("loop", "loop", ""),
+    ("us", "us", ".2f"), ("spread", "spr", ".2f"), ("err_ref", "err_ref", ".1e"),
+    ("err", "err", ".1e"), ("same_bits_as_triton", "bits=triton", ""),
+    ("row_s", "row_s", ".1f"),
+]
+LAUNCH_PROFILE_COLS = [
+    ("N", "N", "d"), ("backend", "backend", ""), ("loop", "loop", ""),
+    ("wall_us", "wall", ".2f"), ("kernel_us", "kernels", ".2f"), ("idle_us", "idle_in_call", ".2f"),
+    ("outside_us", "outside_call", ".2f"),
+]
+LAUNCH_PREFILL_COLS = [
+    ("what", "what", ""), ("backend", "backend", ""), ("B", "B", "d"), ("T", "T", "d"),
+    ("H", "H", "d"), ("K", "K", "d"), ("M", "M", "d"), ("ms", "ms", ".4f"),
+]
+
+
 SWEEP_COLS = [
     ("BV", "BV", "d"), ("num_warps", "warps", "d"), ("is_default", "default", ""),
     ("loop_ms", "loop_ms", ".4f"), ("spread", "spread", ".2f"), ("TBps", "TB/s", ".2f"),
@@ -486,8 +721,6 @@ PROFILE_COLS = [
 
 def main():
   args = parse_args()
-  if args.call_target:
-    os.environ["GDP_TRITON_CALL_TARGET"] = args.call_target  # read when jax_triton is imported
   common.setup_env(args.cpu_smoke)
   out = common.out_dir(args.out)
   budget = common.Budget(args.budget_s)
@@ -588,6 +821,10 @@ def main():
         common.free_device_memory()
       common.print_table("sweep: best config per shape", results.data["sections"].get(
           "sweep_best", []), common.SWEEP_BEST_COLS)
+
+    # 7. Launch cost per launch backend (--parts launch).
+    if "launch" in parts:
+      launch_part(b, results, budget)
   except KeyboardInterrupt:
     results.set_meta(interrupted=True)
     print("[decode] interrupted; partial results saved")
