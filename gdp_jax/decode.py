@@ -78,9 +78,18 @@ def fused_recurrent_gated_delta_rule(
   if backend == "reference":
     from gdp_jax import reference
     return _backends.call_jitted(reference.fused_recurrent_gated_delta_rule, arrays, **static)
-  config = config or _configs.decode_config(dims.K, dims.V)
+  config = _config(config, dims)
   return _backends.call_jitted(_fused_recurrent_fwd, arrays, dims=dims, backend=backend,
                                config=config, **static)
+
+
+def _config(config, dims):
+  if config is None:
+    return _configs.decode_config(dims.K, dims.V)
+  if not isinstance(config, _configs.DecodeConfig):
+    raise ValueError(f"config: expected a gdp_jax._configs.DecodeConfig or None, got "
+                     f"{type(config).__name__}")
+  return config
 
 
 def _fused_recurrent_fwd(q, k, v, g, beta, *, dims, backend, config, scale, initial_state,
@@ -202,7 +211,7 @@ def gated_delta_product_decode(q, k, v, g, beta, *, num_householder, state, stat
     return _backends.call_jitted(reference.gated_delta_product_decode, arrays, scale=scale,
                                  **static)
   scale = dims.K ** -0.5 if scale is None else float(scale)
-  config = config or _configs.decode_config(dims.K, dims.V)
+  config = _config(config, dims)
   return _backends.call_jitted(_gdp_decode_fold, arrays, scale=scale, dims=dims,
                                backend=backend, config=config, **static)
 

@@ -345,6 +345,18 @@ def test_num_accepted_checks():
         output_final_state=True, backend="reference")
 
 
+def test_config_argument():
+  """A config overrides the tile (the sweep's way in); anything else is refused."""
+  a = gdp_inputs(2, 1, 2, 1, 2, 8, 24, 3, "float32", seed=4)
+  kw = dict(num_householder=2, backend=KERNEL_BACKEND)
+  o, _, _ = gdp_jax.gated_delta_product_decode(
+      **a, **kw, config=_configs.DecodeConfig(BV=8, num_warps=1))
+  o_ref = reference.gated_delta_product_decode(**_upcast(a), num_householder=2)[0]
+  assert_close("o", o_ref, o, RTOL["float32"])
+  with pytest.raises(ValueError, match="config: expected"):
+    gdp_jax.gated_delta_product_decode(**a, **kw, config=dict(BV=8, num_warps=1))
+
+
 def test_traced_num_accepted_out_of_range_is_clamped():
   """Under jit nothing checks the counts: below 0 reads the cache slot (as 0), above D the last
   snapshot (as D), in the kernel and the reference alike; nothing outside the buffers."""
