@@ -189,9 +189,9 @@ def _backward(q, k, v, g, beta, initial_state, cu_seqlens, res, do, dht, static)
       "chunk_o_bwd.chunk_o_bwd_kernel", qn, kn, v_new, h_x, do_t, dh, dvp,
       gx if use_g else ph(), cu, desc_x, float(static.scale),
       grid=(desc_x.shape[0], HV, nk),
-      out_shape=[jax.ShapeDtypeStruct((TT, HV, K), f32)]
-      + [jax.ShapeDtypeStruct((R, HV, K), f32)] * 2
-      + [jax.ShapeDtypeStruct((R, HV, nk) if use_g else (1,), f32)],
+      out_shape=[jax.ShapeDtypeStruct((TT, HV, K), f32), jax.ShapeDtypeStruct((R, HV, K), f32),
+                 jax.ShapeDtypeStruct((R, HV, K), dtype),
+                 jax.ShapeDtypeStruct((R, HV, nk) if use_g else (1,), f32)],
       backend=backend, num_warps=cfg.o_warps, num_stages=2,
       H=H, HV=HV, K=K, V=V, M=M, BT=BT, BK=_BK, BV=_BV, NK=nk, USE_G=use_g,
       DOT_PRECISION=prec)
@@ -200,10 +200,10 @@ def _backward(q, k, v, g, beta, initial_state, cu_seqlens, res, do, dht, static)
       "chunk_wy_bwd.chunk_wy_bwd_kernel", kn, vp, beta_p, gx if use_g else ph(), Ai, dw, dvp,
       dk_o, dg_k if use_g else ph(), cu, desc_x,
       grid=(desc_x.shape[0], HV),
-      out_shape=[jax.ShapeDtypeStruct((R, HV, K), f32), jax.ShapeDtypeStruct((R, HV, V), f32),
+      out_shape=[jax.ShapeDtypeStruct((R, HV, K), f32), jax.ShapeDtypeStruct((R, HV, V), v.dtype),
                  jax.ShapeDtypeStruct((R, HV), f32),
                  jax.ShapeDtypeStruct((R, HV) if use_g else (1,), f32),
-                 jax.ShapeDtypeStruct((R, HV, BT), f32)],
+                 jax.ShapeDtypeStruct((R, HV, BT), dtype)],
       backend=backend, num_warps=cfg.wy_warps, num_stages=2,
       H=H, HV=HV, K=K, V=V, M=M, BT=BT, BK=_BK, BV=_BV, NK=nk, USE_G=use_g,
       DOT_PRECISION=prec)

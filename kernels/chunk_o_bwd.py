@@ -53,7 +53,7 @@ def chunk_o_bwd_kernel(
     # outputs
     dq,          # [T, HV, K] float32 cotangent of q per value head
     dk,          # [T*M, HV, K] float32 (output and state-update parts)
-    dw,          # [T*M, HV, K] float32
+    dw,          # [T*M, HV, K] input dtype (chunk_wy_bwd rounds it so for every product)
     dg,          # [T*M, HV, NK] float32 dG per K block; never written without USE_G
     # sizes
     H: tl.constexpr,
@@ -142,7 +142,7 @@ def chunk_o_bwd_kernel(
   tl.store(dq + tok[:, None] * (HV * K) + i_hv * K + o_k[None, :], b_dq,
            mask=mask_q[:, None] & mask_k[None, :])
   tl.store(dk + p_out, b_dk, mask=m_rk)
-  tl.store(dw + p_out, -b_dw, mask=m_rk)
+  tl.store(dw + p_out, (-b_dw).to(dw.dtype.element_ty), mask=m_rk)
   if USE_G:
     o_kk = tl.arange(0, BK)
     b_qf = b_q.to(tl.float32)

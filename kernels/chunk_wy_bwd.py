@@ -37,7 +37,7 @@ def chunk_wy_bwd_kernel(
     beta,        # [T*M, HV] float32
     g_cum,       # [T*M, HV] float32 Gx; a placeholder when USE_G is False
     Ai,          # [T*M, HV, BT] (I + A)^-1, input dtype
-    dw,          # [T*M, HV, K] float32 from chunk_o_bwd
+    dw,          # [T*M, HV, K] from chunk_o_bwd, input dtype
     du,          # [T*M, HV, V] dV' from chunk_h_bwd, input dtype
     dk_in,       # [T*M, HV, K] float32 from chunk_o_bwd
     dg_in,       # [T*M, HV, NK] float32 from chunk_o_bwd; a placeholder when USE_G is False
@@ -45,10 +45,11 @@ def chunk_wy_bwd_kernel(
     chunk_desc,  # [NXD, 2] int32 (sequence, expanded chunk within it); sequence -1 = padding
     # outputs
     dk,          # [T*M, HV, K] float32, per value head
-    dv,          # [T*M, HV, V] float32
+    dv,          # [T*M, HV, V] in the dtype of v's cotangent (the last use: no float32 copy)
     dbeta,       # [T*M, HV] float32
     dg,          # [T*M, HV] float32 cotangent of each row's log decay; unwritten without USE_G
-    dA_scratch,  # [T*M, HV, BT] float32 (dA . beta Dec), written and read back transposed
+    dA_scratch,  # [T*M, HV, BT] (dA . beta Dec) in the input dtype (read only as a dot operand),
+                 # written and read back transposed
     # sizes
     H: tl.constexpr,
     HV: tl.constexpr,
@@ -109,8 +110,8 @@ def chunk_wy_bwd_kernel(
     b_vbt = (b_vt.to(tl.float32) * b_beta[None, :]).to(dt)
     b_dT += tl.dot(b_du.to(dt), b_vbt, input_precision=DOT_PRECISION)
     b_dvb = tl.dot(b_ait, b_du.to(dt), input_precision=DOT_PRECISION)
-    tl.store(dv + p_vv + o_a[:, None] * (HV * V) + o_v[None, :], b_dvb * b_beta[:, None],
-             mask=m_rv)
+    tl.store(dv + p_vv + o_a[:, None] * (HV * V) + o_v[None, :],
+             (b_dvb * b_beta[:, None]).to(dv.dtype.element_ty), mask=m_rv)
   # <dVb, v> in a loop of its own: a tile that feeds a tensor-core dot and a register reduction
   # in the same pipelined loop comes out wrong on the H200 (docs/algorithm.md §4.2).
   for i_v in range(tl.cdiv(V, BV)):
@@ -139,7 +140,8 @@ def chunk_wy_bwd_kernel(
   # is miscompiled on Hopper by Triton 3.4 to 3.7.0 (FLA #640). The barrier makes this
   # program's stores visible to all its threads before they read the transpose.
   p_s = dA_scratch + row0 * (HV * BT) + i_hv * BT
-  tl.store(p_s + o_a[:, None] * (HV * BT) + o_a[None, :], b_dAm, mask=mask_r[:, None])
+  tl.store(p_s + o_a[:, None] * (HV * BT) + o_a[None, :], b_dAm.to(dA_scratch.dtype.element_ty),
+           mask=mask_r[:, None])
   tl.debug_barrier()
   b_dAmt = tl.load(p_s + o_a[None, :] * (HV * BT) + o_a[:, None], mask=mask_r[None, :],
                    other=0.)
