@@ -279,10 +279,47 @@ def train_section(rows, meta) -> list[str]:
 
 # Tabulators by section name, and by (file name without .json, section name) where a section
 # name ("rows") says nothing about its contents.
+def launch_section(rows, meta) -> list[str]:
+  """decode.py --parts launch: one line per (kernel, N, loop), one column per launch backend."""
+  cells, order, fla = {}, [], {}
+  for r in rows:
+    if r.get("backend") == "fla":  # one CUDA-graph time per N, beside each of its lines
+      fla[r.get("N")] = r.get("us")
+      continue
+    key = (r.get("kernel"), r.get("N"), r.get("loop"))
+    if key not in cells:
+      cells[key] = {}
+      order.append(key)
+    cells[key][r.get("backend")] = r
+  lines = []
+  for kernel, N, loop in order:
+    c = cells[(kernel, N, loop)]
+    us = lambda b: (c.get(b) or {}).get("us")
+    lines.append({"kernel": kernel, "N": N if kernel != "bump" else None, "loop": loop,
+                  "triton": us("triton"), "xla_triton": us("xla_triton"),
+                  "fla": fla.get(N) if kernel == "decode" else None,
+                  "ratio": ratio(us("xla_triton"), us("triton")),
+                  "bits": (c.get("xla_triton") or {}).get("same_bits_as_triton")})
+  steps = meta.get("launch_steps")
+  out = table(lines, [
+      ("kernel", "kernel", None), ("N", "N", "d"), ("loop", "loop", None),
+      ("triton us", "triton", ".2f"), ("xla_triton us", "xla_triton", ".2f"),
+      ("xla_triton / triton", "ratio", ".2f"), ("fla-core CUDA graph us", "fla", ".2f"),
+      ("same bits", "bits", None),
+  ])
+  out += ["", f"Microseconds per decode step ({fmt(steps) if steps else 'several'} steps in one "
+          "jit: a `lax.fori_loop`, or unrolled; `call` is one step per jitted call from Python), "
+          "per launch for the trivial kernel `bump`; HV = 16, D = 1, the cache donated. fla-core's "
+          "step is replayed from a CUDA graph of as many steps. `same "
+          "bits`: the state after the steps under xla_triton equals triton's bit for bit."]
+  return out
+
+
 KNOWN = {
     "prefill": prefill_section,
     "decode": decode_section,
     "profile": decode_profile_section,
+    "launch": launch_section,
 }
 KNOWN_IN_FILE = {
     ("sharding", "rows"): sharding_section,
