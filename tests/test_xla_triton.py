@@ -4,8 +4,10 @@ On a CPU (a subprocess: the TTIR needs triton in compiled mode, and the test pro
 it in interpreter mode, conftest.py) every workload below is lowered for CUDA and each custom
 call is read back: its target, its backend_config (name, grid, warps, stages, as the "triton"
 backend would launch the same kernel), its aliases, and a TTIR that pip's triton parses, whose
-kernel takes pointers only (the scalars compiled in). On the H200 (`-m gpu`) every workload
-runs under both launch backends and must give the same bits.
+kernel takes pointers only (the scalars compiled in), and that the Triton dialect jaxlib ships
+(the one its XLA compiles with) parses too. These need no GPU: on the H200 they run with its
+versions by `pytest tests/test_xla_triton.py -m "not gpu"`. With `-m gpu` every workload runs
+under both launch backends and must give the same bits.
 
 The whole GPU suite runs under this backend with `pytest -m gpu --launch=xla_triton`
 (conftest.py).
@@ -159,6 +161,22 @@ def _ttir_signature(text, tmp):
   return src.name.lstrip("@"), [str(t) for t in src.signature.values()]
 
 
+def _jaxlib_parse_error(text):
+  """None if the Triton dialect jaxlib ships (the one its XLA compiles with) parses the TTIR,
+  else the parser's message."""
+  from jax._src.interpreters import mlir
+  from jax._src.lib import triton as jaxlib_triton
+  from jax._src.lib.mlir import ir
+  ctx = mlir.make_ir_context()
+  jaxlib_triton.dialect.register_dialect(ctx)
+  try:
+    with ctx:
+      ir.Module.parse(text)
+  except Exception as e:  # noqa: BLE001 - the message is the finding
+    return str(e)[:600]
+  return None
+
+
 def main(out_path):
   import tempfile
   import jax
@@ -174,6 +192,7 @@ def main(out_path):
   step = jax.jit(lambda x, i, c: tl_._run(x, i, c, 0.5, "xla_triton"), donate_argnums=2)
   lowered = step.trace(x, idx, cache).lower(lowering_platforms=("cuda",))
   [call] = _custom_calls(lowered)
+  call["jaxlib_parse_error"] = _jaxlib_parse_error(call["ir"])
   call["signature"] = _ttir_signature(call["ir"], tmp)
   call["hlo"] = lowered.as_text(dialect="hlo")
   # The TTIR is a whole kernel: pip's triton compiles it on to a cubin for sm_90.
@@ -204,8 +223,11 @@ def main(out_path):
     calls = _custom_calls(lowered)
     for c in calls:
       if c["target"] == TARGET:
+        c["jaxlib_parse_error"] = _jaxlib_parse_error(c["ir"])
         c["signature"] = _ttir_signature(c.pop("ir"), tmp)
     report[name] = dict(launches=launches, calls=calls)
+  import triton
+  report["triton"] = triton.__version__
   with open(out_path, "w") as f:
     json.dump(report, f)
 
@@ -267,6 +289,22 @@ def test_every_launch_lowers_to_xla_triton(lowering_report, name):
   # An aliased output is an output_operand_alias of its call (the cache updated in place).
   assert ({(l["name"], l["aliases"]) for l in r["launches"]}
           == {(c["name"], c["aliases"]) for c in r["calls"]})
+
+
+def test_jaxlibs_triton_parses_every_ttir(lowering_report):
+  """XLA parses the TTIR with the Triton it bundles; jaxlib ships that dialect to Python (for
+  Pallas), so what it refuses here XLA refuses at compile time. Asserted with the triton of the
+  tested set (gdp_jax/_versions.py); another triton's TTIR may use ops this jaxlib does not
+  know (triton 3.9 writes a barrier as ttg.barrier, jaxlib 0.10.2 knows gpu.barrier)."""
+  from gdp_jax import _versions
+  calls = [lowering_report["row_update"]] + [
+      c for r in lowering_report.values() if isinstance(r, dict) and "calls" in r
+      for c in r["calls"] if c["target"] == TARGET]
+  refused = {c["name"]: c["jaxlib_parse_error"] for c in calls if c["jaxlib_parse_error"]}
+  if lowering_report["triton"] != _versions.TESTED["triton"] and refused:
+    pytest.skip(f"triton {lowering_report['triton']} (not the tested "
+                f"{_versions.TESTED['triton']}): jaxlib's Triton refuses {refused}")
+  assert not refused
 
 
 def test_xla_triton_needs_a_gpu():
