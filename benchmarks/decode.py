@@ -39,9 +39,9 @@ $OUT/decode.json as soon as it exists, tables go to stdout):
    64 decode steps in a lax.fori_loop and unrolled in one jit, and one step per jitted call, at
    N = 1, 8, 32, 256 (HV = 16, D = 1), beside fla-core's 64 steps in one CUDA graph, the second
    backend's final state compared bit for bit with the first's; the same for a trivial kernel
-   (us per launch); at N = 1 where a step's time goes (kernels, idle between them inside the
-   call, outside it); and one prefill call, forward and forward+backward, kernel by kernel, to
-   see whether XLA's Triton compiles a kernel slower than pip's.
+   (us per launch); at N = 1 and 8 where a step's time goes (kernels, idle between them inside
+   the call, outside it); and one prefill call, forward and forward+backward, kernel by kernel,
+   to see whether XLA's Triton compiles a kernel slower than pip's.
 
 `--cpu-smoke` runs the same code at tiny shapes through Triton's interpreter, without torch
 or fla, to prove the plumbing on a machine without a GPU (its times mean nothing).
@@ -643,7 +643,7 @@ def launch_part(b, results, budget):
   prows = [common.run_row(results, "launch_profile",
                           dict(N=N, backend=be, loop=lp, steps=steps),
                           lambda r: launch_profile_row(b, r), budget)
-           for N in Ns[:1] for be in backends for lp in ("fori", "unrolled")]
+           for N in Ns[:2] for be in backends for lp in ("fori", "unrolled")]
   common.print_table("where a jitted step's time goes (us per step)", prows,
                      LAUNCH_PROFILE_COLS)
 
