@@ -20,25 +20,26 @@ largest read of chunk_o_bwd); dS at the end is the initial-state cotangent, in f
 sequence passes dht straight to dh0.
 
 No operand of a dot is the transpose of another dot's result: Triton 3.4 to 3.7.0 miscompiles
-that pattern on Hopper (FLA #640). Transposed operands are loaded transposed from memory.
+that pattern on Hopper (FLA #640). Transposed operands are transposes of tiles loaded (coalesced)
+for the chunk, the keys' shared with K dS.
 
 Grid: (N * HV, ceil(V / BV)), as the forward scan. Parameter order: inputs, outputs, constexprs.
 """
 import triton
 import triton.language as tl
 
-from .chunk_h import _load_state, _row_tile, _row_tile_t, _store_state
+from .chunk_h import _load_state, _row_tile, _store_state
 
 
 @triton.jit
-def _tile_update(b_dh, b_decay, p_q, p_k, tok, mask_q, row, mask_r, i_t, o_k, b_gq, b_kb, b_do,
-                 b_x, scale, H: tl.constexpr, K: tl.constexpr, USE_G: tl.constexpr,
+def _tile_update(b_dh, b_decay, p_q, tok, mask_q, i_t, o_k, b_k, b_gq, b_kb, b_do, b_x, scale,
+                 H: tl.constexpr, K: tl.constexpr, USE_G: tl.constexpr,
                  DOT_PRECISION: tl.constexpr):
-  """64-row tile i_t of dS <- decay dS + scale (Gamma Q~)^T do~ - Kb^T X, X = T^T dV'."""
-  b_qt = _row_tile_t(p_q, tok, mask_q, i_t, o_k, H * K, K)
-  b_kt = _row_tile_t(p_k, row, mask_r, i_t, o_k, H * K, K)
-  b_qt = (b_qt.to(tl.float32) * b_gq[None, :]).to(b_do.dtype)
-  b_kt = (b_kt.to(tl.float32) * b_kb[None, :]).to(b_do.dtype)
+  """64-row tile i_t of dS <- decay dS + scale (Gamma Q~)^T do~ - Kb^T X, X = T^T dV'; b_k is
+  the chunk's key tile i_t, loaded for K dS."""
+  b_q = _row_tile(p_q, tok, mask_q, i_t, o_k, H * K, K)
+  b_qt = tl.trans((b_q.to(tl.float32) * b_gq[:, None]).to(b_do.dtype))
+  b_kt = tl.trans((b_k.to(tl.float32) * b_kb[:, None]).to(b_do.dtype))
   if USE_G:
     b_dh = b_dh * b_decay
   b_dh += scale * tl.dot(b_qt, b_do, input_precision=DOT_PRECISION)
@@ -153,22 +154,23 @@ def chunk_h_bwd_kernel(
                      b_dh4.to(b_do.dtype), input_precision=DOT_PRECISION)
     tl.store(dv + off_v, b_dv.to(dv.dtype.element_ty), mask=m_rv)
 
-    # X = T^T dV', with T^T loaded transposed: X[b] = sum_a T[a, b] dV'[a].
-    b_ait = tl.load(Ai + row[None, :] * (HV * BT) + i_hv * BT + o_a[:, None],
-                    mask=mask_r[None, :], other=0.)
-    b_x = tl.dot(b_ait, b_dv.to(b_ait.dtype), input_precision=DOT_PRECISION).to(b_do.dtype)
+    # X = T^T dV': X[b] = sum_a T[a, b] dV'[a].
+    b_ai = tl.load(Ai + row[:, None] * (HV * BT) + i_hv * BT + o_a[None, :],
+                   mask=mask_r[:, None], other=0.)
+    b_x = tl.dot(tl.trans(b_ai), b_dv.to(b_ai.dtype), input_precision=DOT_PRECISION)
+    b_x = b_x.to(b_do.dtype)
     b_kb = b_beta * b_gam
-    b_dh1 = _tile_update(b_dh1, b_decay, p_q, p_k, tok, mask_q, row, mask_r, 0, o_k, b_gam,
-                         b_kb, b_do, b_x, scale, H, K, USE_G, DOT_PRECISION)
+    b_dh1 = _tile_update(b_dh1, b_decay, p_q, tok, mask_q, 0, o_k, b_k1, b_gam, b_kb, b_do, b_x,
+                         scale, H, K, USE_G, DOT_PRECISION)
     if K > 64:
-      b_dh2 = _tile_update(b_dh2, b_decay, p_q, p_k, tok, mask_q, row, mask_r, 1, o_k, b_gam,
-                           b_kb, b_do, b_x, scale, H, K, USE_G, DOT_PRECISION)
+      b_dh2 = _tile_update(b_dh2, b_decay, p_q, tok, mask_q, 1, o_k, b_k2, b_gam, b_kb, b_do,
+                           b_x, scale, H, K, USE_G, DOT_PRECISION)
     if K > 128:
-      b_dh3 = _tile_update(b_dh3, b_decay, p_q, p_k, tok, mask_q, row, mask_r, 2, o_k, b_gam,
-                           b_kb, b_do, b_x, scale, H, K, USE_G, DOT_PRECISION)
+      b_dh3 = _tile_update(b_dh3, b_decay, p_q, tok, mask_q, 2, o_k, b_k3, b_gam, b_kb, b_do,
+                           b_x, scale, H, K, USE_G, DOT_PRECISION)
     if K > 192:
-      b_dh4 = _tile_update(b_dh4, b_decay, p_q, p_k, tok, mask_q, row, mask_r, 3, o_k, b_gam,
-                           b_kb, b_do, b_x, scale, H, K, USE_G, DOT_PRECISION)
+      b_dh4 = _tile_update(b_dh4, b_decay, p_q, tok, mask_q, 3, o_k, b_k4, b_gam, b_kb, b_do,
+                           b_x, scale, H, K, USE_G, DOT_PRECISION)
 
   if USE_DH0:
     p_dh0 = dh0 + (i_n.to(tl.int64) * HV + i_hv) * (K * V)

@@ -14,7 +14,7 @@ dU = dV' (chunk_h_bwd):
 
 The transpose of dA . beta Dec goes through memory rather than through tl.trans: a tl.trans of
 a dot result fed to another dot is miscompiled on Hopper by Triton 3.4 to 3.7.0 (FLA #640).
-Transposed operands are loaded transposed from memory. The products take input-dtype operands
+Other transposed operands are transposes of loaded tiles. The products take input-dtype operands
 (Ai, and dT, dW, dU rounded to it) with float32 accumulation, as FLA's WY backward does.
 
 The per-row dG of chunk_o_bwd (one column per K block) is added, and the chunk's reverse
@@ -82,7 +82,8 @@ def chunk_wy_bwd_kernel(
     b_gam = tl.where(mask_r, 1., 0.)
   b_bg = b_beta * b_gam
   p_ai = Ai + row0 * (HV * BT) + i_hv * BT
-  b_ait = tl.load(p_ai + o_a[None, :] * (HV * BT) + o_a[:, None], mask=mask_r[None, :], other=0.)
+  b_ait = tl.trans(tl.load(p_ai + o_a[:, None] * (HV * BT) + o_a[None, :], mask=mask_r[:, None],
+                           other=0.))
 
   b_dT = tl.zeros([BT, BT], dtype=tl.float32)
   b_kk = tl.zeros([BT, BT], dtype=tl.float32)
@@ -91,23 +92,20 @@ def chunk_wy_bwd_kernel(
   for i_k in range(tl.cdiv(K, BK)):
     o_k = i_k * BK + tl.arange(0, BK)
     m_rk = mask_r[:, None] & (o_k < K)[None, :]
-    m_kr = (o_k < K)[:, None] & mask_r[None, :]
     b_k = tl.load(p_k + o_a[:, None] * (H * K) + o_k[None, :], mask=m_rk, other=0.)
-    b_kt = tl.load(p_k + o_a[None, :] * (H * K) + o_k[:, None], mask=m_kr, other=0.)
     b_dw = tl.load(dw + p_kv + o_a[:, None] * (HV * K) + o_k[None, :], mask=m_rk, other=0.)
-    b_kbt = (b_kt.to(tl.float32) * b_bg[None, :]).to(dt)
+    b_kbt = tl.trans((b_k.to(tl.float32) * b_bg[:, None]).to(dt))
     b_dT += tl.dot(b_dw.to(dt), b_kbt, input_precision=DOT_PRECISION)
-    b_kk += tl.dot(b_k, b_kt, input_precision=DOT_PRECISION)
+    b_kk += tl.dot(b_k, tl.trans(b_k), input_precision=DOT_PRECISION)
 
   b_db = tl.zeros([BT], dtype=tl.float32)
   p_vv = row0 * (HV * V) + i_hv * V
   for i_v in range(tl.cdiv(V, BV)):
     o_v = i_v * BV + tl.arange(0, BV)
     m_rv = mask_r[:, None] & (o_v < V)[None, :]
-    m_vr = (o_v < V)[:, None] & mask_r[None, :]
-    b_vt = tl.load(v + p_vv + o_a[None, :] * (HV * V) + o_v[:, None], mask=m_vr, other=0.)
+    b_v = tl.load(v + p_vv + o_a[:, None] * (HV * V) + o_v[None, :], mask=m_rv, other=0.)
     b_du = tl.load(du + p_vv + o_a[:, None] * (HV * V) + o_v[None, :], mask=m_rv, other=0.)
-    b_vbt = (b_vt.to(tl.float32) * b_beta[None, :]).to(dt)
+    b_vbt = tl.trans((b_v.to(tl.float32) * b_beta[:, None]).to(dt))
     b_dT += tl.dot(b_du.to(dt), b_vbt, input_precision=DOT_PRECISION)
     b_dvb = tl.dot(b_ait, b_du.to(dt), input_precision=DOT_PRECISION)
     tl.store(dv + p_vv + o_a[:, None] * (HV * V) + o_v[None, :],
