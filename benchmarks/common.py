@@ -639,6 +639,10 @@ def summary(d: str) -> None:
     best = s.get("sweep_best", [])
     if best:
       print_table("decode config sweep: best per shape", best, SWEEP_BEST_COLS, note_chars=160)
+    launch = s.get("launch", [])
+    if launch:
+      print_table("launch cost per launch backend (us per step; per launch for 'bump')",
+                  launch, LAUNCH_SUMMARY_COLS, note_chars=160)
   pre = _load(os.path.join(d, "prefill.json"))
   if pre:
     m = pre["meta"]
@@ -659,6 +663,11 @@ DECODE_SUMMARY_COLS = [
     ("fla_ms", "fla", ".4f"), ("fla_graph_ms", "fla_graph", ".4f"),
     ("ours_over_fla_graph", "loop/graph", ".2f"),
     ("err_ref", "err_ref", ".1e"), ("err_fla", "err_fla", ".1e"),
+]
+LAUNCH_SUMMARY_COLS = [
+    ("kernel", "kernel", "s"), ("N", "N", "d"), ("backend", "backend", "s"),
+    ("loop", "loop", "s"), ("us", "us", ".2f"), ("same_bits_as_triton", "bits=triton", ""),
+    ("err_ref", "err_ref", ".1e"),
 ]
 SWEEP_BEST_COLS = [
     ("N", "N", "d"), ("HV", "HV", "d"), ("D", "D", "d"), ("BV", "BV", "d"),
