@@ -671,7 +671,7 @@ LAUNCH_SUMMARY_COLS = [
 ]
 SWEEP_BEST_COLS = [
     ("N", "N", "d"), ("HV", "HV", "d"), ("D", "D", "d"), ("BV", "BV", "d"),
-    ("num_warps", "warps", "d"), ("loop_ms", "loop_ms", ".4f"),
+    ("num_warps", "warps", "d"), ("num_stages", "stages", "d"), ("loop_ms", "loop_ms", ".4f"),
     ("default_cfg", "default", "s"), ("default_loop_ms", "default_ms", ".4f"),
     ("err_ref", "err_ref", ".1e"),
 ]

@@ -29,8 +29,9 @@ $OUT/decode.json as soon as it exists, tables go to stdout):
    (random counts in 1..D) and writes only the snapshots; the plain D = 1 step and fla-core's
    D-token step (no snapshots) beside them; both speculative paths checked bit for bit against
    each other.
-6. A config sweep (BV x num_warps through the decode entry point's `config` argument;
-   --sweep-grid picks the grid) at N = 256, 1, 8, HV = 16, D = 1, each config checked against
+6. A config sweep (BV x num_warps x num_stages through the decode entry point's `config`
+   argument; --sweep-grid picks the grid, D too) at N = 256, 1, 8, HV = 16, D = 1, each config
+   checked against
    the reference after 16 steps.
 7. (--parts profile, not in the default) A kernel profile of our 16-step loop (jax.profiler)
    and of fla-core's 16 eager steps (torch.profiler), CUPTI's device times per kernel: per step,
@@ -78,15 +79,16 @@ def parse_args():
   p.add_argument("--shapes", default=None,
                  help="main-table rows as NxHVxD[xS] items, comma-separated (default: all)")
   p.add_argument("--sweep-grid", default=None,
-                 help="the sweep's grid as 'N=256,1,8;BV=8,16,32,64;warps=1,2,4,8' (any subset; "
-                      "the rest keep these defaults)")
+                 help="the sweep's grid as 'N=256,1,8;D=1;BV=8,16,32,64;warps=1,2,4,8;stages=1' "
+                      "(any subset; the rest keep these defaults)")
   return p.parse_args()
 
 
 def parse_sweep_grid(text, smoke=False):
   """--sweep-grid 'N=256,1;BV=16' over the defaults, as a dict of int tuples."""
-  grid = ({"N": (2,), "BV": (8, 16), "warps": (1, 2)} if smoke else
-          {"N": (256, 1, 8), "BV": (8, 16, 32, 64), "warps": (1, 2, 4, 8)})
+  grid = ({"N": (2,), "D": (1,), "BV": (8, 16), "warps": (1, 2), "stages": (1,)} if smoke else
+          {"N": (256, 1, 8), "D": (1,), "BV": (8, 16, 32, 64), "warps": (1, 2, 4, 8),
+           "stages": (1,)})
   for item in filter(None, (text or "").split(";")):
     key, _, values = item.partition("=")
     if key not in grid:
@@ -413,21 +415,23 @@ class Bench:
       del fla_step
     common.free_device_memory()
 
-  def sweep_shape(self, results, N, HV, D, bvs, warps, budget):
-    """Every (BV, num_warps) at one shape: 16 steps from the same cache, against the reference."""
+  def sweep_shape(self, results, N, HV, D, bvs, warps, stages, budget):
+    """Every (BV, num_warps, num_stages) at one shape: 16 steps from the same cache, against the
+    reference. num_stages > 1 lets Triton pipeline the loads of the step loop (measured a loss
+    at D = 1; the D*M-step loop of a speculative step is longer)."""
     S = N
     x, state0, slots, inter0 = self.inputs(N, HV, D, S, seed=7)
     ref_o, ref_state = self.reference(x, state0, slots, inter0, steps=self.loop_steps)
     default = self.configs.decode_config(self.K, self.V)
     rows = []
-    for BV in bvs:
-      for w in warps:
-        row = dict(N=N, HV=HV, D=D, S=S, BV=BV, num_warps=w,
-                   default_cfg=f"BV{default.BV}w{default.num_warps}",
-                   is_default=(BV == default.BV and w == default.num_warps))
+    for BV, w, ns in ((BV, w, ns) for BV in bvs for w in warps for ns in stages):
+        row = dict(N=N, HV=HV, D=D, S=S, BV=BV, num_warps=w, num_stages=ns,
+                   default_cfg=f"BV{default.BV}w{default.num_warps}s{default.num_stages}",
+                   is_default=(BV, w, ns) == (default.BV, default.num_warps,
+                                              default.num_stages))
 
-        def body(row, BV=BV, w=w):
-          cfg = self.configs.DecodeConfig(BV=BV, num_warps=w)
+        def body(row, BV=BV, w=w, ns=ns):
+          cfg = self.configs.DecodeConfig(BV=BV, num_warps=w, num_stages=ns)
           loop = self.step_fn(D > 1, steps=self.loop_steps, config=cfg)
           o, st, _ = loop(self.copy(state0), self.copy(inter0), x["q"], x["k"], x["v"], x["g"],
                           x["beta"], slots)
@@ -682,8 +686,8 @@ LAUNCH_PREFILL_COLS = [
 
 
 SWEEP_COLS = [
-    ("BV", "BV", "d"), ("num_warps", "warps", "d"), ("is_default", "default", ""),
-    ("loop_ms", "loop_ms", ".4f"), ("spread", "spread", ".2f"), ("TBps", "TB/s", ".2f"),
+    ("BV", "BV", "d"), ("num_warps", "warps", "d"), ("num_stages", "stages", "d"),
+    ("is_default", "default", ""), ("loop_ms", "loop_ms", ".4f"), ("spread", "spread", ".2f"), ("TBps", "TB/s", ".2f"),
     ("err_ref", "err_ref", ".1e"),
 ]
 MAIN_COLS = [
@@ -810,14 +814,15 @@ def main():
     # 5. Config sweep.
     if "sweep" in parts:
       grid = parse_sweep_grid(args.sweep_grid, smoke=b.smoke)
-      for N in grid["N"]:
+      for N, D in ((N, D) for D in grid["D"] for N in grid["N"]):
         if budget.over():
-          print(f"[decode] sweep N={N} skipped: budget spent")
+          print(f"[decode] sweep N={N} D={D} skipped: budget spent")
           continue
         try:
-          b.sweep_shape(results, N, 2 if b.smoke else 16, 1, grid["BV"], grid["warps"], budget)
+          b.sweep_shape(results, N, 2 if b.smoke else 16, D, grid["BV"], grid["warps"],
+                        grid["stages"], budget)
         except Exception as e:
-          print(f"[decode] sweep N={N} failed: {type(e).__name__}: {e}")
+          print(f"[decode] sweep N={N} D={D} failed: {type(e).__name__}: {e}")
         common.free_device_memory()
       common.print_table("sweep: best config per shape", results.data["sections"].get(
           "sweep_best", []), common.SWEEP_BEST_COLS)
