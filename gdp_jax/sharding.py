@@ -26,6 +26,18 @@ Layout (P = shards of the mesh axis):
   `jax.make_mesh` since jax 0.9); on Auto axes under jit the layout is not visible at trace time
   and XLA moves data to the wrapper's layout by itself (`in_shardings` gives that layout).
 
+Training: `jax.grad` / `jax.vjp` through a sharded `chunk_gated_delta_product` differentiate
+per shard. shard_map's transpose runs the op's `jax.custom_vjp` (the backward kernels, or jax.grad
+of the reference) on each device's own block, and every gradient comes back split like its
+input, with no collective: the recurrence's gradient does not mix heads or sequences either,
+and dq, dk sum only over the value heads of a key head, which sit on one device when P | H. The
+two exceptions are sums the math asks for: with fewer key heads than head shards (q and k
+replicated), dq and dk add up the parts of the shards that share a key head (one all-reduce); and
+an input replicated over a mesh axis the wrapper does not split (heads only on a 2-D mesh) is
+processed whole on every device of that axis, so its gradient sums over it (an all-reduce of
+equal halves; build the wrapper from the axes you split over). The model's own reduction of its
+parameter gradients over the batch shards happens outside the op.
+
 Why shard_map and not `jax.experimental.custom_partitioning`: shard_map is public, stable API
 in jax 0.8 to 0.11 and under Shardy, its layout is fixed at trace time, so bad layouts become
 ValueErrors before compilation, and the per-device body is the plain op, Triton custom calls and
@@ -266,9 +278,10 @@ def _shard_map(f, mesh, in_specs, out_specs):
 def sharded(op, mesh, *, batch_axis=None, head_axis=None):
   """Returns `op` running on `mesh` with value heads and/or batch split, without communication.
 
-  Call the result exactly like `op` (same signature, same outputs), inside or outside jax.jit.
+  Call the result exactly like `op` (same signature, same outputs), inside or outside jax.jit,
+  and differentiate it like `op` (jax.grad of the prefill runs its backward on each device).
   Each device runs `op` on its own block of value heads and sequences; see the module docstring
-  for the layout. Outputs come back split the same way (o over batch and heads, the cache over
+  for the layout and for when a gradient needs a collective. Outputs come back split the same way (o over batch and heads, the cache over
   slots and heads), so a jitted decode loop keeps everything in place; donate the cache
   (`donate_argnums`) and it stays in the same buffers.
 

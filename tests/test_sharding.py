@@ -1,5 +1,11 @@
 """gdp_jax.sharding: the ops under jax.jit on a 4-device mesh equal the unsharded ops, no collectives.
 
+Also the training path (jax.vjp through the sharded prefill: forward bitwise, gradients within
+float32 tolerance, no collective in the compiled gradient but the documented key-head sum), and
+the example model of examples/sharded_lm.py on 2- and 4-device meshes: its SGD step equals the
+one-device step and lowers the loss, its serving engine (packed prefill, speculative decode,
+rollback) generates the same tokens and leaves the same caches, bit for bit.
+
 The CPU cases need 4 host devices, i.e. XLA_FLAGS=--xla_force_host_platform_device_count=4 before
 jax creates its CPU backend; conftest.py has created it by the time this file is collected, so
 they run in a child process (this file run as a script, one process per backend) and the tests
@@ -38,7 +44,25 @@ REJECTIONS = (
     "reject-HV-indivisible",
     "reject-unknown-op",
 )
-CHILD_TIMEOUT_S = 300
+# Training: jax.grad through the sharded prefill (the interpreter runs the first case only: it
+# is slow), then the example model's training step and serving engine (reference backend but
+# for the one model case named *-interpret).
+GRAD_CASES = (
+    "grad-prefill-batch-heads-initial-final-M2",
+    "grad-prefill-packed-heads4-M2",
+    "grad-prefill-H1-heads2-sums-key-heads",
+)
+GRAD_INTERPRET = GRAD_CASES[:1]
+MODEL_CASES = (
+    "train-step-data2",
+    "train-step-heads2",
+    "train-step-data2-heads2",
+    "train-step-data2-heads2-interpret",
+    "engine-data2",
+    "engine-heads2",
+    "engine-data2-heads2",
+)
+CHILD_TIMEOUT_S = 420
 
 
 # --------------------------------------------------------------------------------------------
@@ -285,13 +309,199 @@ def _child_main(backend):
   def case_reject_op():
     return expect_value_error(lambda: sharding.sharded(jnp.add, mesh4, head_axis="model"), "op")
 
+  # ------------------------------------------------------------------------------------------
+  # Training: jax.vjp through the sharded prefill against the unsharded one.
+
+  def grad_case(mesh, args, kwargs, *, batch_axis=None, head_axis=None, grad_collectives=()):
+    """Forward bitwise, every input's gradient within RTOL["float32"]; the compiled forward holds
+    no collective, the compiled gradient exactly `grad_collectives`."""
+    op = op_pre
+    f = sharding.sharded(op, mesh, batch_axis=batch_axis, head_axis=head_axis)
+    names = ["q", "k", "v", "g", "beta"] + [n for n in ("initial_state",) if n in kwargs]
+    xs = list(args) + [kwargs[n] for n in names[5:]]
+    static = {n: x for n, x in kwargs.items() if n not in names}
+
+    def call(fn, *xs):
+      d = dict(zip(names, xs))
+      return fn(*xs[:5], **{n: d[n] for n in names[5:]}, **static)
+
+    def vjp(fn):
+      # The gradient program on its own: cotangents are inputs, so no loss reduction (which
+      # would be a collective of its own) is compiled in.
+      def g(xs, cts):
+        out, pull = jax.vjp(lambda *xs: call(fn, *xs)[:2], *xs)
+        return pull(cts)
+      return jax.jit(g)
+
+    ref = jax.jit(lambda *xs: call(op, *xs)[:2])(*xs)
+    cts = tuple(None if r is None else normal(*r.shape) for r in ref)
+    ref_grads = vjp(op)(xs, cts)
+
+    shard = f.in_shardings(*args, **kwargs)
+    placed = [jax.device_put(x, shard[n]) for n, x in zip(names, xs)]
+    fwd = jax.jit(lambda *xs: call(f, *xs)[:2]).lower(*placed).compile()
+    out = fwd(*placed)
+    err = compare("forward", ref, out)
+    if err:
+      return err
+    found = [c for c in COLLECTIVES if c in fwd.as_text()]
+    if found:
+      return f"compiled forward contains {found}"
+    placed_cts = tuple(None if c is None else jax.device_put(c, o.sharding)
+                       for c, o in zip(cts, out))
+    bwd = vjp(f).lower(placed, placed_cts).compile()
+    grads = bwd(placed, placed_cts)
+    for n, r, o in zip(names, ref_grads, grads):
+      e = err_ratio(r, o)
+      if not np.all(np.isfinite(np.asarray(o))) or e > 1e-5:
+        return f"gradient of {n}: relative error {e:.3e} (> 1e-5) or non-finite"
+      if not float(np.max(np.abs(np.asarray(r)))) > 0:
+        return f"gradient of {n} is zero: the case tests nothing"
+      if o.sharding.spec != shard[n].spec:
+        return f"gradient of {n} came back as {o.sharding.spec}, its input was {shard[n].spec}"
+    found = tuple(c for c in COLLECTIVES if c in bwd.as_text())
+    if found != tuple(grad_collectives):
+      return f"compiled gradient contains {list(found)}, expected {list(grad_collectives)}"
+    return None
+
+  def case_grad_batch_heads():
+    q, k, v, g, beta = prefill_inputs(2, 5, 2, 2, 4, 16, 16)
+    return grad_case(mesh22, (q, k, v, g, beta),
+                     dict(num_householder=2, initial_state=normal(2, 4, 16, 16),
+                          output_final_state=True, use_qk_l2norm_in_kernel=True, **bk),
+                     batch_axis="data", head_axis="model")
+
+  def case_grad_packed():
+    q, k, v, g, beta = prefill_inputs(1, 7, 2, 4, 4, 16, 16)
+    return grad_case(mesh4, (q, k, v, g, beta),
+                     dict(num_householder=2, cu_seqlens=jnp.array([0, 3, 3, 7], jnp.int32),
+                          use_qk_l2norm_in_kernel=True, **bk), head_axis="model")
+
+  def case_grad_h1():
+    # One key head for two head shards: both shards' value heads read it, so its gradient is
+    # the sum of the two shards' parts, the one collective (dq and dk) the docs promise.
+    q, k, v, g, beta = prefill_inputs(2, 4, 2, 1, 2, 16, 16)
+    return grad_case(mesh22, (q, k, v, g, beta),
+                     dict(num_householder=2, use_qk_l2norm_in_kernel=True, **bk),
+                     batch_axis="data", head_axis="model", grad_collectives=("all-reduce",))
+
+  # ------------------------------------------------------------------------------------------
+  # The example model (examples/sharded_lm.py): a training step and the serving engine.
+
+  @functools.lru_cache(maxsize=None)
+  def tiny_lm(interp):
+    import flax.nnx as nnx
+    from gdp_jax import example_model as em
+    # head_dim 16: the kernels' dots need K >= 16; the reference cases take the example's 8.
+    return em.TinyLM(vocab_size=32, hidden_size=32, num_layers=1 if interp else 2,
+                     head_dim=16 if interp else 8, num_heads=2, num_v_heads=4,
+                     num_householder=2, backend="interpret" if interp else "reference",
+                     rngs=nnx.Rngs(0))
+
+  @functools.lru_cache(maxsize=None)
+  def unsharded_training(interp, steps):
+    """(tokens, initial params, [(loss, params)] after each step) on one device."""
+    import flax.nnx as nnx
+    from examples import sharded_lm as sl
+    graphdef, params = nnx.split(tiny_lm(interp))
+    B = 2 if interp else 4  # the interpreter is slow: one sequence per "data" shard
+    tokens = jnp.asarray(np.random.default_rng(2).integers(0, 32, (B, 9)), jnp.int32)
+    one = sl.train_step(graphdef, learning_rate=0.5)
+    p, trace = jax.tree.map(jnp.copy, params), []
+    for _ in range(steps):
+      p, loss = one(p, tokens)
+      trace.append((float(loss), jax.tree.map(np.asarray, p)))
+    return tokens, params, trace
+
+  def model_case(name):
+    from examples import sharded_lm as sl
+    data, heads = (2 if "data2" in name else 1), (2 if "heads2" in name else 1)
+    mesh = sl.make_mesh(data, heads, devices=jax.devices()[:data * heads])
+    interp = name.endswith("interpret")
+    if name.startswith("train"):
+      return train_case(sl, interp, mesh, steps=1 if interp else 3)
+    return engine_case(sl, mesh)
+
+  def train_case(sl, interp, mesh, steps):
+    import flax.nnx as nnx
+    tokens, params, trace = unsharded_training(interp, steps)
+    graphdef = nnx.graphdef(tiny_lm(interp))
+    step = sl.train_step(graphdef, mesh, learning_rate=0.5)
+    p = jax.device_put(jax.tree.map(jnp.copy, params), sl.replicated(mesh))
+    t = jax.device_put(tokens, sl.batch_sharding(mesh))
+    with sl.layer_ops_on(mesh):
+      jaxpr = str(step.__wrapped__.trace(p, t).jaxpr)
+    if jaxpr.count("shard_map") < len(tiny_lm(interp).blocks):
+      return "the sharded step does not run the layers' ops under shard_map"
+    losses = []
+    for loss_one, p_one in trace:
+      p, loss = step(p, t)
+      losses.append(float(loss))
+      if abs(float(loss) - loss_one) > 1e-5 * abs(loss_one):
+        return f"loss {float(loss)} != unsharded {loss_one}"
+    for i, (r, o) in enumerate(zip(jax.tree.leaves(trace[-1][1]), jax.tree.leaves(p))):
+      e = err_ratio(r, o)
+      if e > 1e-5:
+        return f"parameter {i} after {steps} steps: relative error {e:.3e} to the unsharded step"
+      if o.sharding.spec != P():
+        return f"parameter {i} came back as {o.sharding.spec}, not replicated"
+    if steps > 1 and not losses[-1] < 0.7 * losses[0]:
+      return f"loss did not fall over {steps} steps: {losses}"
+    return None
+
+  def drafter(model, tokens, n):
+    # The bigram drafter, wrong on some tokens, so that drafts are both kept and rejected.
+    from gdp_jax import example_model as em
+    drafts = em.bigram_drafter(model, tokens, n)
+    return jnp.where((drafts + tokens[:, None]) % 3 == 0, (drafts + 1) % model.vocab_size, drafts)
+
+  engine_kw = dict(num_slots=4, num_draft=3, max_prefill_tokens=24, max_prefill_seqs=2,
+                   drafter=drafter)
+
+  @functools.lru_cache(maxsize=None)
+  def unsharded_serving():
+    """(requests, tokens, stats, caches after the run) of the engine on one device."""
+    from gdp_jax import example_model as em
+    shapes = [(5, 7), (9, 3), (3, 10), (12, 6), (7, 1), (4, 8)]  # (prompt length, new tokens)
+    seeded = np.random.default_rng(1)  # requests whose drafts are both kept and rejected
+    reqs = [em.Request(tuple(int(t) for t in seeded.integers(0, 32, L)), n) for L, n in shapes]
+    one = em.Engine(tiny_lm(False), **engine_kw)
+    out, stats = one.generate(reqs)
+    return reqs, out, stats, jax.tree.map(np.asarray, one.caches)
+
+  def engine_case(sl, mesh):
+    reqs, ref, ref_stats, ref_caches = unsharded_serving()
+    engine = sl.ShardedEngine(tiny_lm(False), mesh, **engine_kw)
+    out, stats = engine.generate(reqs)
+    if out != ref:
+      return f"tokens differ from the unsharded engine: {out} != {ref}"
+    if stats != ref_stats:
+      return "prefill calls, accepted counts or slot trace differ from the unsharded engine"
+    if set(stats["accepted"]) != {1, 2, 3}:
+      return f"drafts were not both rejected and accepted: {stats['accepted']}"
+    # The caches after the run, every slot, bit for bit: prefill, decode and rollback alike.
+    for i, (r, o) in enumerate(zip(jax.tree.leaves(ref_caches), jax.tree.leaves(engine.caches))):
+      if not bits_equal(r, o):
+        return f"cache leaf {i} differs from the unsharded engine's (rel. {err_ratio(r, o):.2e})"
+    spec = engine.caches[0].state.sharding.spec
+    if tuple(spec) != ("data", "model"):
+      return f"the state cache came back as {spec}"
+    return None
+
   table = dict(zip(CASES, (case_recurrent_heads, case_recurrent_batch_heads, case_recurrent_h1,
                            case_recurrent_h3, case_recurrent_packed, case_recurrent_auto,
                            case_prefill_batch_heads, case_prefill_packed, case_decode_accept,
                            case_other_shard_slot)))
+  grads = dict(zip(GRAD_CASES, (case_grad_batch_heads, case_grad_packed, case_grad_h1)))
+  models = {n: functools.partial(model_case, n) for n in MODEL_CASES}
   if backend == "reference":
     table.update(zip(REJECTIONS, (case_reject_t, case_reject_k_traced, case_reject_batch,
                                   case_reject_cu, case_reject_hv, case_reject_op)))
+    table.update(grads)
+    table.update({n: c for n, c in models.items() if not n.endswith("interpret")})
+  else:
+    table.update({n: grads[n] for n in GRAD_INTERPRET})
+    table.update({n: c for n, c in models.items() if n.endswith("interpret")})
   for name, case in table.items():
     t0 = time.perf_counter()
     try:
@@ -361,6 +571,22 @@ def test_sharded_interpret(case):
 @pytest.mark.parametrize("case", REJECTIONS)
 def test_rejections(case):
   _check("reference", case)
+
+
+@pytest.mark.parametrize("case", GRAD_CASES)
+def test_grad_reference(case):
+  _check("reference", case)
+
+
+@pytest.mark.parametrize("case", GRAD_INTERPRET)
+def test_grad_interpret(case):
+  _check("interpret", case)
+
+
+@pytest.mark.parametrize("case", MODEL_CASES)
+def test_example_model(case):
+  pytest.importorskip("flax.nnx", reason="the example model needs the optional dependency flax")
+  _check("interpret" if case.endswith("interpret") else "reference", case)
 
 
 # --------------------------------------------------------------------------------------------
