@@ -238,17 +238,30 @@ def decode_profile_section(rows, meta) -> list[str]:
 
 
 def sharding_section(rows, meta) -> list[str]:
+  # Two layouts of sharding.json: rows by part and layout (1 GPU, 2 GPUs split by batch or by
+  # heads), and the older decode-only rows (2 GPUs against half the heads on one).
   out = table(rows, [
-      ("N", "N", "d"), ("D", "D", "d"), ("M", "M", "d"), ("H", "H", "d"), ("HV", "HV", "d"),
-      ("K", "K", "d"), ("V", "V", "d"), ("dtype", "dtype", None),
+      ("part", "part", None), ("layout", "layout", None),
+      ("B", "B", "d"), ("T", "T", "d"), ("N", "N", "d"), ("D", "D", "d"), ("M", "M", "d"),
+      ("H", "H", "d"), ("HV", "HV", "d"), ("K", "K", "d"), ("V", "V", "d"),
+      ("dtype", "dtype", None),
+      ("ms per step", "ms", ".3f"), ("speedup", "speedup", ".2f"),
+      ("efficiency", "efficiency", ".2f"),
       ("2 GPUs, HV heads ms", "two_gpus_ms", ".3f"),
       ("1 GPU, HV/2 heads ms", "one_gpu_half_ms", ".3f"),
       ("ratio (1.00 = perfect)", "ratio_vs_half", ".2f"),
       ("1 GPU, HV heads ms", "one_gpu_full_ms", ".3f"),
       ("speedup over 1 GPU", "speedup_vs_full", ".2f"),
+      ("error", "error", None),
   ])
-  out += ["", "One jitted decode step with the cache donated, value heads split over the GPUs "
-          "by `gdp_jax.sharding.sharded(..., head_axis=...)` (no communication)."]
+  if any("part" in r for r in rows):
+    out += ["", "The same global problem on 1 GPU and split over 2 by `gdp_jax.sharding.sharded` "
+            "(batch: sequences and cache slots; heads: value heads). op: fwd+bwd of the prefill; "
+            "model: one SGD step of examples/sharded_lm.py; decode: one decode step with the "
+            "cache donated. speedup = 1-GPU ms / 2-GPU ms, efficiency = speedup / 2."]
+  else:
+    out += ["", "One jitted decode step with the cache donated, value heads split over the GPUs "
+            "by `gdp_jax.sharding.sharded(..., head_axis=...)` (no communication)."]
   return out
 
 

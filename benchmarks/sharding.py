@@ -11,8 +11,9 @@ Parts (--parts, default all):
   op      fwd+bwd of chunk_gated_delta_product: jax.jit of jax.vjp, the output's cotangent an
           input (so no loss reduction runs across the GPUs), gradients w.r.t. q, k, v, g, beta;
           bf16, q and k L2-normalised in the op (train.py's rows 0 and 4)
-  model   one SGD step of the example model (examples/sharded_lm.py: TinyLM, bf16 parameters,
-          2 layers), parameters replicated, XLA summing their gradients over the GPUs
+  model   one SGD step of the example model (examples/sharded_lm.py: TinyLM, 2 layers, bf16
+          parameters and activations), parameters replicated and donated, XLA summing their
+          gradients over the GPUs
   decode  one gated_delta_product_decode step with the float32 cache donated and threaded from
           call to call, as a serving loop runs it; under "batch" each request's slot lies on
           its own GPU
@@ -111,7 +112,7 @@ def op_step(jax, jnp, np, gdp_jax, sharded, shp, mesh, layout, device, backend, 
   return lambda: step(*args, do)
 
 
-def model_step(jax, jnp, np, shp, mesh, device, backend):
+def model_step(jax, jnp, np, shp, mesh, device, backend, dtype):
   """One SGD step of the example model, tokens split over "data", ops over "model"."""
   import flax.nnx as nnx
   sys.path.insert(0, REPO)
@@ -120,7 +121,7 @@ def model_step(jax, jnp, np, shp, mesh, device, backend):
   model = em.TinyLM(vocab_size=shp["vocab"], hidden_size=shp["hidden"],
                     num_layers=shp["layers"], head_dim=shp["K"], expand_v=shp["expand_v"],
                     num_heads=shp["H"], num_v_heads=shp["HV"], num_householder=shp["M"],
-                    backend=backend, param_dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
+                    backend=backend, param_dtype=dtype, rngs=nnx.Rngs(0))
   graphdef, params = nnx.split(model)
   tokens = jnp.asarray(np.random.default_rng(0).integers(
       0, shp["vocab"], (shp["B"], shp["T"] + 1)), jnp.int32)
@@ -226,7 +227,8 @@ def main():
     for shp in table[part]:
       base = None
       for name, gpus, layout in layouts:
-        row = dict(part=part, layout=name, gpus=gpus, **shp, backend=backend)
+        row = dict(part=part, layout=name, gpus=gpus, **shp, backend=backend,
+                   dtype=jnp.dtype(dtype).name)
         try:
           if layout is None:
             mesh = None
@@ -238,7 +240,7 @@ def main():
             call = op_step(jax, jnp, np, gdp_jax, sharded, shp, mesh, layout, devices[0],
                            backend, dtype)
           elif part == "model":
-            call = model_step(jax, jnp, np, shp, mesh, devices[0], backend)
+            call = model_step(jax, jnp, np, shp, mesh, devices[0], backend, dtype)
           else:
             call = decode_step(jax, jnp, np, gdp_jax, sharded, shp, mesh, layout, devices[0],
                                backend, dtype)
