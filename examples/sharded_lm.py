@@ -16,10 +16,11 @@ heads of o brought together for o_proj, the parameter gradients summed over the 
     outputs, stats = engine.generate(requests)
 
 `ShardedEngine` keeps every cache split: slots over "data" (device i of the axis owns slots
-[i S/P, (i+1) S/P)), value heads over "model". The decode step splits its rows (one per slot) over
-"data", so each row meets its slot on its own device. The packed prefill (B == 1 with cu_seqlens)
-cannot be split over sequences: it runs with heads over "model" only, each "data" shard
-prefilling every admitted sequence.
+[i S/P, (i+1) S/P)), value heads over "model", snapshots alike. The decode step splits its rows
+(one per slot) and their accepted counts over "data", so each row meets its slot and its
+snapshots on its own device. The packed prefill (B == 1 with cu_seqlens) cannot be split over
+sequences: it runs with heads over "model" only, each "data" shard prefilling every admitted
+sequence.
 """
 from __future__ import annotations
 
@@ -187,6 +188,6 @@ class ShardedEngine(em.Engine):
         donate_argnums=(1,)), bitwise=True)
     # One decode row per slot: rows split over "data" like the slots they own.
     self._decode = _traced_on(mesh, jax.jit(
-        lambda p, c, cur, s: em._decode_step(graphdef, drafter, p, c, cur, s),
-        in_shardings=(rep, caches, rows, rows), out_shardings=(caches, rows, rows, rows),
+        lambda p, c, cur, s, n: em._decode_step(graphdef, drafter, p, c, cur, s, n),
+        in_shardings=(rep, caches, rows, rows, rows), out_shardings=(caches, rows, rows, rows),
         donate_argnums=(1,)), bitwise=True)

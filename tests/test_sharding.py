@@ -34,6 +34,7 @@ CASES = (
     "prefill-batch-heads-cache-chunkstates-M2",
     "prefill-packed-heads-M2",
     "gdp-decode-accept-donated-M2-D2",
+    "gdp-decode-num-accepted-M2-D3",
     "slot-of-other-shard-is-padding",
 )
 REJECTIONS = (
@@ -253,6 +254,21 @@ def _child_main(backend):
       return f"cache came back as {out[1].sharding.spec}"
     print(f"# donated cache buffer reused in place: {old_ptr == new_ptr}", file=sys.stderr)
     return None
+
+  def case_decode_num_accepted():
+    # The speculative step without a rollback copy: each request starts from its slot's
+    # snapshot after the tokens the previous step kept (0: from the cache itself).
+    N, D, M, H, HV, K, V, S = 4, 3, 2, 2, 4, 16, 16, 6
+    q, k, v = normal(N, D, H, K), normal(N, D * M, H, K), normal(N, D * M, HV, V)
+    g = jnp.asarray(-rng.uniform(0.02, 0.5, (N, D, HV)), f32)
+    beta = jnp.asarray(rng.uniform(0.1, 0.9, (N, D * M, HV)), f32)
+    return run_case(gdp_jax.gated_delta_product_decode, mesh22, (q, k, v, g, beta),
+                    dict(num_householder=M, state=normal(S, HV, K, V),
+                         state_indices=jnp.array([2, 0, -1, 4], jnp.int32),
+                         intermediate_states=normal(S, D, HV, K, V),
+                         num_accepted=jnp.array([0, 2, 1, 3], jnp.int32),
+                         use_qk_l2norm_in_kernel=True, **bk),
+                    batch_axis="data", head_axis="model")
 
   def case_other_shard_slot():
     # Request 1 (batch shard 0) names slot 3, which batch shard 1 owns: it is padding there, so
@@ -491,7 +507,7 @@ def _child_main(backend):
   table = dict(zip(CASES, (case_recurrent_heads, case_recurrent_batch_heads, case_recurrent_h1,
                            case_recurrent_h3, case_recurrent_packed, case_recurrent_auto,
                            case_prefill_batch_heads, case_prefill_packed, case_decode_accept,
-                           case_other_shard_slot)))
+                           case_decode_num_accepted, case_other_shard_slot)))
   grads = dict(zip(GRAD_CASES, (case_grad_batch_heads, case_grad_packed, case_grad_h1)))
   models = {n: functools.partial(model_case, n) for n in MODEL_CASES}
   if backend == "reference":
