@@ -3,8 +3,8 @@
 Also the training path (jax.vjp through the sharded prefill: forward bitwise, gradients within
 float32 tolerance, no collective in the compiled gradient but the documented key-head sum), and
 the example model of examples/sharded_lm.py on 2- and 4-device meshes: its SGD step equals the
-one-device step and lowers the loss, its serving engine (packed prefill, speculative decode,
-rollback) generates the same tokens and leaves the same caches, bit for bit.
+one-device step and lowers the loss, its serving engine (packed prefill, speculative decode
+from the accepted snapshots) generates the same tokens and leaves the same caches, bit for bit.
 
 The CPU cases need 4 host devices, i.e. XLA_FLAGS=--xla_force_host_platform_device_count=4 before
 jax creates its CPU backend; conftest.py has created it by the time this file is collected, so
@@ -495,7 +495,7 @@ def _child_main(backend):
       return "prefill calls, accepted counts or slot trace differ from the unsharded engine"
     if set(stats["accepted"]) != {1, 2, 3}:
       return f"drafts were not both rejected and accepted: {stats['accepted']}"
-    # The caches after the run, every slot, bit for bit: prefill, decode and rollback alike.
+    # The caches after the run, every slot and snapshot, bit for bit.
     for i, (r, o) in enumerate(zip(jax.tree.leaves(ref_caches), jax.tree.leaves(engine.caches))):
       if not bits_equal(r, o):
         return f"cache leaf {i} differs from the unsharded engine's (rel. {err_ratio(r, o):.2e})"
