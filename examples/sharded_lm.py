@@ -74,9 +74,11 @@ def layer_ops_on(mesh, *, bitwise: bool = False):
       column by column, o_proj's contraction, then a sum over the head shards), which computes
       the same values in another rounding. True keeps every device's arithmetic outside the op
       that of one device: the op's inputs are computed whole on each device of a "model" row
-      (the op takes its head block locally) and o is gathered before o_proj, so the model's
-      outputs equal the unsharded model's bit for bit, at the price of projections repeated on
-      every head shard.
+      (the op takes its head block locally) and o is gathered before o_proj, at the price of
+      projections repeated on every head shard. The model's outputs then equal the unsharded
+      model's bit for bit wherever the op's do on each shard: always on the reference backend,
+      and on the kernels where no block size changes with the per-device HV or batch (the
+      prefill's state scan picks its V block from N * HV * V: docs/api.md, "Batch invariance").
   """
   kw = dict(batch_axis="data", head_axis="model")
   dense = sharded(gdp_jax.chunk_gated_delta_product, mesh, **kw)
@@ -170,8 +172,9 @@ class ShardedEngine(em.Engine):
 
   Same arguments as `Engine` after `mesh` (a `make_mesh` mesh); num_slots must be a multiple of
   the size of "data" and the layers' HV of the size of "model". The steps trace with
-  `layer_ops_on(mesh, bitwise=True)`, so the logits, the caches and hence the generated tokens
-  are those of the unsharded engine, bit for bit.
+  `layer_ops_on(mesh, bitwise=True)`: on the reference backend the logits, the caches and the
+  generated tokens are the unsharded engine's bit for bit (tests/test_sharding.py), on the
+  kernels the same tokens up to float32 rounding of the logits.
   """
 
   def __init__(self, model: em.TinyLM, mesh, *, drafter=em.bigram_drafter, **kwargs):
