@@ -210,7 +210,6 @@ def main():
   else:
     print(f"# one device visible ({devices[0].device_kind}): the 1-GPU rows only", flush=True)
 
-  from examples import sharded_lm as sl
   out = common.out_dir(a.out)
   path = os.path.join(out, "sharding.json")
   meta = dict(common.run_meta(common.versions()), title="scaling over 2 GPUs: training step "
@@ -230,12 +229,12 @@ def main():
         row = dict(part=part, layout=name, gpus=gpus, **shp, backend=backend,
                    dtype=jnp.dtype(dtype).name)
         try:
-          if layout is None:
-            mesh = None
-          else:
-            axis = "data" if "batch_axis" in layout else "model"
-            mesh = sl.make_mesh(2 if axis == "data" else 1, 2 if axis == "model" else 1,
-                                devices=devices[:2])
+          mesh = None
+          if layout is not None:
+            # examples/sharded_lm.py's mesh: ("data", "model") with Auto axes, one of size 2.
+            mesh_shape = (2, 1) if "batch_axis" in layout else (1, 2)
+            mesh = jax.make_mesh(mesh_shape, ("data", "model"), devices=devices[:2],
+                                 axis_types=(jax.sharding.AxisType.Auto,) * 2)
           if part == "op":
             call = op_step(jax, jnp, np, gdp_jax, sharded, shp, mesh, layout, devices[0],
                            backend, dtype)
