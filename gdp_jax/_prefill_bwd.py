@@ -47,15 +47,16 @@ class BwdConfig(NamedTuple):
 
   H200, fwd+bwd at B=4 T=2048 H=16 K=V=128 M=2 (row 0) and B=4 T=2048 H=6 K=256 V=512 (row 4),
   bf16, 2026-12-01 (benchmarks/train_profile.py --variants): chunk_h_bwd, which carries a
-  [K, BV] float32 slice of dS and walks every chunk of its sequence in order, takes 463 us at
+  [K, BV] float32 slice of dS and walks every chunk of its sequence in order, took 463 us at
   BV 64 against 527 at 32 and 982 at 16 (row 0); at K = 256, 1724 us at BV 32 against 2594 at
-  16. chunk_o_bwd: 713 against 806 us at 8 warps instead of 4 (row 0), 1471 against 1494 (row
-  4). chunk_wy_bwd: 501 us at 4 warps, 774 at 8.
+  16. chunk_o_bwd, once it read each state tile once (h and dS in bf16, <S, dS> as a product):
+  399 us at 4 warps against 632 at 8 (row 0; before that change 8 warps won, 713 against 806).
+  chunk_wy_bwd: 356 us at 4 warps, 597 at 8.
   """
   h_bv: int = 64          # K <= 128
   h_bv_big_k: int = 32    # K > 128 (four 64-row tiles of dS)
   h_warps: int = 4
-  o_warps: int = 8
+  o_warps: int = 4
   wy_warps: int = 4
 
 

@@ -92,11 +92,16 @@ def chunk_wy_bwd_kernel(
   for i_k in range(tl.cdiv(K, BK)):
     o_k = i_k * BK + tl.arange(0, BK)
     m_rk = mask_r[:, None] & (o_k < K)[None, :]
+    m_kr = (o_k < K)[:, None] & mask_r[None, :]
     b_k = tl.load(p_k + o_a[:, None] * (H * K) + o_k[None, :], mask=m_rk, other=0.)
+    # K^T from a second, transposed load: with tl.trans(b_k) here, dG differed between two
+    # identical bf16 runs on the H200 (Triton 3.6) while dq, dk and dv did not, which points at
+    # K K^T, the one product of this loop that reaches only dbeta and dG (docs/algorithm.md §4.2).
+    b_kt = tl.load(p_k + o_a[None, :] * (H * K) + o_k[:, None], mask=m_kr, other=0.)
     b_dw = tl.load(dw + p_kv + o_a[:, None] * (HV * K) + o_k[None, :], mask=m_rk, other=0.)
-    b_kbt = tl.trans((b_k.to(tl.float32) * b_bg[:, None]).to(dt))
+    b_kbt = (b_kt.to(tl.float32) * b_bg[None, :]).to(dt)
     b_dT += tl.dot(b_dw.to(dt), b_kbt, input_precision=DOT_PRECISION)
-    b_kk += tl.dot(b_k, tl.trans(b_k), input_precision=DOT_PRECISION)
+    b_kk += tl.dot(b_k, b_kt, input_precision=DOT_PRECISION)
 
   b_db = tl.zeros([BT], dtype=tl.float32)
   p_vv = row0 * (HV * V) + i_hv * V
