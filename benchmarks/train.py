@@ -539,7 +539,7 @@ def main(argv=None):
   triton_cache = tempfile.mkdtemp(prefix="triton_cache_train_", dir="/tmp")
   run.data["meta"] = dict(
       date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-      git=_git(), versions=_dist_versions(), device=None,
+      git=_git(), commit=common.git_commit(), versions=_dist_versions(), device=None,
       command=shlex.join([sys.executable] + sys.argv), cwd=os.getcwd(),
       pythonpath=os.environ.get("PYTHONPATH"), smoke=args.smoke, backend_ours=backend,
       floor_Bps=HBM_BPS, impls=impls, rows=numbers,
