@@ -189,8 +189,11 @@ class ShardedEngine(em.Engine):
         lambda p, c, t, cu, s: em._prefill_step(graphdef, p, c, t, cu, s),
         in_shardings=(rep, caches, rep, rep, rep), out_shardings=(caches, rep),
         donate_argnums=(1,)), bitwise=True)
-    # One decode row per slot: rows split over "data" like the slots they own.
+    # One decode row per slot: rows split over "data" like the slots they own (axis 1 of the
+    # outputs stacked over the call's steps).
+    steps = NamedSharding(mesh, P(None, "data"))
     self._decode = _traced_on(mesh, jax.jit(
-        lambda p, c, cur, s, n: em._decode_step(graphdef, drafter, p, c, cur, s, n),
-        in_shardings=(rep, caches, rows, rows, rows), out_shardings=(caches, rows, rows, rows),
+        lambda p, c, cur, s, n: em._decode_steps(graphdef, drafter, self.steps_per_call, p, c,
+                                                 cur, s, n),
+        in_shardings=(rep, caches, rows, rows, rows), out_shardings=(caches, steps, steps, steps),
         donate_argnums=(1,)), bitwise=True)

@@ -150,6 +150,20 @@ def _decode_step(graphdef, drafter, params, caches, current, slots, prev_accepte
   return caches, tokens, preds, num_accepted
 
 
+def _decode_steps(graphdef, drafter, steps, params, caches, current, slots, prev_accepted):
+  """`steps` decode steps in one program, unrolled: each feeds every request the last token the
+  step before kept. Returns the caches and, stacked over the steps, tokens and preds [steps, N, D]
+  and num_accepted [steps, N]."""
+  outs = []
+  for _ in range(steps):
+    caches, tokens, preds, n_acc = _decode_step(graphdef, drafter, params, caches, current,
+                                                slots, prev_accepted)
+    current = jnp.take_along_axis(preds, (n_acc - 1)[:, None], axis=1)[:, 0]
+    prev_accepted = n_acc
+    outs.append((tokens, preds, n_acc))
+  return (caches,) + tuple(jnp.stack(x) for x in zip(*outs))
+
+
 class Engine:
   """Serves requests with `num_slots` cache slots (greedy decoding, optional speculation).
 
@@ -162,12 +176,22 @@ class Engine:
     max_prefill_seqs: Q, sequences per prefill call (default: num_slots).
     drafter: `drafter(model, tokens [N], n) -> [N, n]` int32, traced inside the decode step.
     cache_dtype: dtype of the recurrent states.
+    steps_per_call: decode steps per jitted call (unrolled), between which the host reads the
+      tokens, retires finished requests and admits waiting ones. A small-batch step is bound by
+      launches and by the host: each call ends in a device-to-host read, and a `lax.fori_loop`
+      of steps costs about twice as much per step as the same steps unrolled (22.6 against
+      10.3 us on the H200 at N = 1, docs/performance.md "Launch cost"). Requests that finish
+      inside a call leave their slot's remaining steps of that call unused, and admission waits
+      for the call to end: a few steps per call is the compromise.
   """
 
   def __init__(self, model: TinyLM, *, num_slots: int, num_draft: int = 1,
                max_prefill_tokens: int = 64, max_prefill_seqs: int | None = None,
-               drafter=bigram_drafter, cache_dtype=jnp.float32):
+               drafter=bigram_drafter, cache_dtype=jnp.float32, steps_per_call: int = 4):
+    if steps_per_call < 1:
+      raise ValueError(f"steps_per_call: expected an int >= 1, got {steps_per_call!r}")
     self.num_slots = num_slots
+    self.steps_per_call = int(steps_per_call)
     self.num_draft = num_draft
     self.max_prefill_tokens = max_prefill_tokens
     self.max_prefill_seqs = max_prefill_seqs or num_slots
@@ -178,7 +202,8 @@ class Engine:
     self._prefill = jax.jit(lambda p, c, t, cu, s: _prefill_step(self.graphdef, p, c, t, cu, s),
                             donate_argnums=(1,))
     self._decode = jax.jit(
-        lambda p, c, cur, s, n: _decode_step(self.graphdef, drafter, p, c, cur, s, n),
+        lambda p, c, cur, s, n: _decode_steps(self.graphdef, drafter, self.steps_per_call, p, c,
+                                              cur, s, n),
         donate_argnums=(1,))
 
   def _admit(self, waiting, free, outputs, active, current, accepted):
@@ -246,25 +271,28 @@ class Engine:
       if not active:
         continue
       slots = np.array([s if s in active else -1 for s in range(self.num_slots)], np.int32)
-      stats["slot_trace"].append([active[s][0] if s in active else -1
-                                  for s in range(self.num_slots)])
       self.caches, tokens, preds, n_acc = self._decode(
           self.params, self.caches, jnp.asarray(current), jnp.asarray(slots),
           jnp.asarray(accepted))
       tokens, preds, n_acc = np.asarray(tokens), np.asarray(preds), np.asarray(n_acc)
-      accepted[:] = n_acc
-      stats["decode_steps"] += 1
-      for slot in sorted(active):
-        rid, req = active[slot]
-        n = int(n_acc[slot])
-        stats["accepted"].append(n)
-        # Kept: the accepted drafts, then the model's own token after the last accepted one.
-        new = [int(t) for t in tokens[slot, 1:n]] + [int(preds[slot, n - 1])]
-        outputs[rid].extend(new[:req.max_new_tokens - len(outputs[rid])])
-        current[slot] = preds[slot, n - 1]
-        if len(outputs[rid]) >= req.max_new_tokens:
-          del active[slot]
-          free.append(slot)
+      accepted[:] = n_acc[-1]
+      for i in range(self.steps_per_call):
+        if not active:
+          break
+        stats["decode_steps"] += 1
+        stats["slot_trace"].append([active[s][0] if s in active else -1
+                                    for s in range(self.num_slots)])
+        for slot in sorted(active):
+          rid, req = active[slot]
+          n = int(n_acc[i, slot])
+          stats["accepted"].append(n)
+          # Kept: the accepted drafts, then the model's own token after the last accepted one.
+          new = [int(t) for t in tokens[i, slot, 1:n]] + [int(preds[i, slot, n - 1])]
+          outputs[rid].extend(new[:req.max_new_tokens - len(outputs[rid])])
+          current[slot] = preds[i, slot, n - 1]
+          if len(outputs[rid]) >= req.max_new_tokens:
+            del active[slot]
+            free.append(slot)
     return outputs, stats
 
 
