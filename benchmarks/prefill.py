@@ -34,7 +34,6 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # noqa: E402
 
-BT = 64                # chunk length of the chunked algorithm
 MATMUL_FLOPS = 790e12  # dense bf16 matmul rate, as measured on an H200
 
 
@@ -56,13 +55,13 @@ def parse_args():
                  help="per row, also a kernel profile of ours (three calls, with the gaps between "
                       "kernels) and, after all rows, of one call of fla-core's")
   p.add_argument("--variant", default=None,
-                 help="_PrefillConfig overrides, e.g. wy_scan_min_programs=66,h_stages=2: each row "
+                 help="FwdConfig overrides, e.g. h_bv_wide=32,h_stages=2: each row "
                       "also times ours under them (checked against the default's output)")
   return p.parse_args()
 
 
 def parse_variant(text):
-  """'a=1,b=True,c=tf32' as a dict of _PrefillConfig overrides."""
+  """'a=1,b=True,c=tf32' as a dict of FwdConfig overrides."""
   if not text:
     return {}
   lit = {"True": True, "False": False}
@@ -77,6 +76,7 @@ def flops(B, T, H, K, V, M):
   (64*64*(K+V)*2), the state scan w@S and K^T@D (2 * 64*K*V*2). Per 64-token chunk and head:
   Q S (64*K*V*2), Q K^T and P@D over the chunk's M*64 expanded rows (M*64*64*(K+V)*2).
   """
+  from gdp_jax._common import BT  # after common.setup_env, like every gdp_jax import here
   n_exp = math.ceil(T * M / BT)
   n_tok = math.ceil(T / BT)
   per_exp = BT * BT * K * 2 + BT * BT * (K + V) * 2 + BT * K * V * 2 * 2
@@ -221,18 +221,22 @@ class Bench:
     common.free_device_memory()
 
   def variant_columns(self, row, args, M, o):
-    """Ours under the --variant config overrides (read when the call traces, so the config is
-    swapped around the first call only); its output against the default config's."""
-    import dataclasses
+    """Ours under the --variant config overrides, passed as the forward's static `config`
+    (the public entry point takes the default); its output against the default config's."""
     from gdp_jax import _prefill_kernels as pk
-    default = pk.CONFIG
-    pk.CONFIG = dataclasses.replace(default, **self.variant)
-    try:
-      f = self.ours_fn(M, backend=self.backend)
-      ov, _ = f(*args)
-      self.jax.block_until_ready(ov)
-    finally:
-      pk.CONFIG = default
+    config = pk.FwdConfig()._replace(**self.variant)
+    K = args[0].shape[-1]
+
+    def forward(q, k, v, g, beta):
+      return pk._chunk_gated_delta_product_fwd(
+          q, k, v, g, beta, num_householder=M, scale=K ** -0.5, initial_state=None,
+          output_final_state=True, use_qk_l2norm_in_kernel=True, cu_seqlens=None, state=None,
+          state_indices=None, return_chunk_states=False, chunk_states_dtype=None,
+          backend=self.backend, config=config)
+
+    f = self.jax.jit(forward)
+    ov, _ = f(*args)
+    self.jax.block_until_ready(ov)
     row["variant_err_o"] = common.rel_err(ov, o)
     row["variant_ms"] = common.time_jax(lambda: f(*args))["ms"]
     row["variant_over_ours"] = row["variant_ms"] / row["ours_ms"]

@@ -7,7 +7,8 @@ the launch of its jitted call: for stages of tens of microseconds that launch do
 K=256 V=512 kkt and solve read 55 and 50 us here, 24 and 30 us in prefill.py --profile), so
 compare small stages with the profile, not with this table. Each config variant is
 checked against the default config's output before its time counts: block sizes change the
-summation order, so the check is a relative error (bf16 level), not bits.
+summation order, so the check is a relative error (bf16 level), not bits. Stage 4 runs inside
+our scan, so our scan column compares with fla-core's wy + scan.
 
     python3 benchmarks/prefill_stages.py [--rows 0,1] [--sweep] [--fla] [--like-prefill]
                                          [--budget-s 240]
@@ -18,7 +19,6 @@ Writes $OUT/prefill_stages.json and prints a table per row (ms per stage, share 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import os
 import sys
 
@@ -31,7 +31,7 @@ ROWS = [(4, 2048, 16, 16, 128, 128, 2), (4, 2048, 16, 16, 128, 128, 3),
         (4, 2048, 6, 6, 256, 512, 2)]
 SMOKE_ROWS = [(1, 130, 1, 2, 32, 32, 2)]
 
-# Variants per stage: the fields of _PrefillConfig each one overrides. Dict order is sweep
+# Variants per stage: the fields of gdp_jax._prefill_kernels.FwdConfig each one overrides. Dict order is sweep
 # order, the stages with the most to gain first, so a budget cut drops the least likely winners;
 # combinations that lost everywhere in the first full sweep (1-stage scans, 2-warp scans; see
 # docs/performance.md) are left out.
@@ -43,7 +43,6 @@ SWEEP = {
              for w in (4, 8) for s in (2, 3) for bv in (16, 32, 64)],
     "output": [dict(o_warps=w, o_bv=bv, o_bk=bk, o_stages=s) for w in (4, 8)
                for bv in (64, 128) for bk in (64, 128) for s in (2, 3)],
-    "wy": [dict(wy_warps=w, wy_bv=bv) for w in (2, 4, 8) for bv in (32, 64, 128)],
     "kkt": [dict(kkt_warps=w, kkt_bk=bk) for w in (2, 4, 8) for bk in (64, 128)],
 }
 
@@ -80,10 +79,11 @@ def _descriptors(pk, B, T, M):
           jnp.asarray(pk._dense_descriptors(B, T * M)))
 
 
-def stage_calls(pk, x, B, T, M, backend, l2norm=False):
-  """The stages as jitted functions (lazy: nothing compiles until a call), reading pk.CONFIG
-  when they trace. With `l2norm`, stage 2 computes the key row factors rk and every later
-  stage takes them, as the prefill does with use_qk_l2norm_in_kernel; else rk is None."""
+def stage_calls(pk, x, B, T, M, backend, config, l2norm=False):
+  """The stages as jitted functions (lazy: nothing compiles until a call) under the block
+  config `config` (a pk.FwdConfig). With `l2norm`, stage 2 computes the key row factors rk and
+  every later stage takes them, as the prefill does with use_qk_l2norm_in_kernel; else rk is
+  None. The scan is stages 4 and 5 in one kernel, as in the prefill."""
   import jax
   import jax.numpy as jnp
   import numpy as np
@@ -96,18 +96,16 @@ def stage_calls(pk, x, B, T, M, backend, l2norm=False):
   calls = {
       # Stage 1 is folded into stages 2 and 6.
       "kkt": jax.jit(lambda k, b, g: pk._kkt(k, b, g, cu, desc_x, HV=HV, M=M,
-                                             backend=backend, l2norm=l2norm)),
+                                             backend=backend, l2norm=l2norm, config=config)),
       "solve": jax.jit(lambda A: pk._solve(A, cu, desc_x, M=M, dtype=x["k"].dtype,
-                                           backend=backend)),
-      "wy": jax.jit(lambda k, v, b, gx, Ai, rk: pk._wy(k, v, b, gx, Ai, cu, desc_x, M=M,
-                                                       backend=backend, rk=rk)),
-      "scan": jax.jit(lambda k, w, u, gx, rk, fused_wy=None: pk._scan(
-          k, w, u, gx, cu, offsets, B * nc, M=M, h0=None, state_indices=None,
+                                           backend=backend, config=config)),
+      "scan": jax.jit(lambda k, v, b, Ai, gx, rk: pk._scan(
+          k, v, b, Ai, gx, cu, offsets, B * nc, M=M, h0=None, state_indices=None,
           final_kind="dense", h_dtype=x["k"].dtype, snap_dtype=None, backend=backend,
-          rk=rk, fused_wy=fused_wy)),
+          rk=rk, config=config)),
       "output": jax.jit(lambda q, k, vn, h, g, rk: pk._output(
           q, k, vn, h, g, None, B, cu, desc_t, M=M, scale=K ** -0.5, out_dtype=x["v"].dtype,
-          backend=backend, rk=rk)),
+          backend=backend, rk=rk, config=config)),
   }
   return calls
 
@@ -116,10 +114,9 @@ def stage_args(calls, x):
   """Each stage's inputs, from running the stages before it once."""
   A, gx, rk = calls["kkt"](x["k"], x["beta"], x["g"])
   Ai = calls["solve"](A)
-  w, u = calls["wy"](x["k"], x["v"], x["beta"], gx, Ai, rk)
-  h, _, v_new, _ = calls["scan"](x["k"], w, u, gx, rk)
-  args = {"kkt": (x["k"], x["beta"], x["g"]), "solve": (A,),
-          "wy": (x["k"], x["v"], x["beta"], gx, Ai, rk), "scan": (x["k"], w, u, gx, rk),
+  scan_args = (x["k"], x["v"], x["beta"], Ai, gx, rk)
+  h, _, v_new, _ = calls["scan"](*scan_args)
+  args = {"kkt": (x["k"], x["beta"], x["g"]), "solve": (A,), "scan": scan_args,
           "output": (x["q"], x["k"], v_new, h, x["g"], rk)}
   return args
 
@@ -190,14 +187,14 @@ def main() -> int:
   budget = common.Budget(a.budget_s)
   res = common.Results(os.path.join(common.out_dir(a.out), "prefill_stages.json"),
                        dict(common.versions(), backend=backend))
-  default_cfg = pk.CONFIG
+  default_cfg = pk.FwdConfig()
   for shape in rows:
     B, T, H, HV, K, V, M = shape
     row = dict(B=B, T=T, H=H, HV=HV, K=K, V=V, M=M)
 
     def body(row):
       x = make_inputs(*shape, like_prefill=a.like_prefill)
-      calls = stage_calls(pk, x, B, T, M, backend, l2norm=a.like_prefill)
+      calls = stage_calls(pk, x, B, T, M, backend, default_cfg, l2norm=a.like_prefill)
       args = stage_args(calls, x)
       times = {s: common.time_jax(lambda s=s: calls[s](*args[s]))["ms"] for s in calls}
       row.update({f"{s}_ms": t for s, t in times.items()})
@@ -206,16 +203,6 @@ def main() -> int:
       print(f"[stages] B={B} T={T} H={H} HV={HV} K={K} V={V} M={M}: "
             + ", ".join(f"{s} {t:.3f} ms ({t / total:.0%})" for s, t in times.items())
             + f"; sum {total:.3f} ms", flush=True)
-      # Stage 4 inside the scan (chunk_h's FUSE_WY, the prefill's default), against wy + scan:
-      # its v_new and chunk states checked against theirs before its time counts.
-      sargs = (x["k"], None, None, *args["scan"][3:], (x["v"], x["beta"], args["wy"][4]))
-      h_f, _, vn_f, _ = calls["scan"](*sargs)
-      h_u, _, vn_u, _ = calls["scan"](*args["scan"])
-      row["wy_scan_err"] = common.worst(common.rel_err(vn_f, vn_u), common.rel_err(h_f, h_u))
-      row["wy_scan_ms"] = common.time_jax(lambda: calls["scan"](*sargs))["ms"]
-      print(f"[stages] wy+scan fused: {row['wy_scan_ms']:.3f} ms against "
-            f"{times['wy'] + times['scan']:.3f} ms (v_new, h rel. difference "
-            f"{row['wy_scan_err']:.1e})", flush=True)
       if a.fla and not a.cpu_smoke:
         try:
           ft = fla_stage_times(x, B, T, M)
@@ -237,9 +224,9 @@ def main() -> int:
           if budget.over(20):
             row[f"{stage}_sweep"] = "cut by the budget"
             break
-          pk.CONFIG = dataclasses.replace(default_cfg, **over)
           try:
-            c2 = stage_calls(pk, x, B, T, M, backend, l2norm=a.like_prefill)
+            c2 = stage_calls(pk, x, B, T, M, backend, default_cfg._replace(**over),
+                             l2norm=a.like_prefill)
             out = c2[stage](*args[stage])
             err = common.worst(*[common.rel_err(o, r) for o, r in
                                  zip(jax.tree.leaves(out), jax.tree.leaves(ref[stage]))])
@@ -250,14 +237,12 @@ def main() -> int:
               best = (ms, tag)
           except Exception as e:  # a config that does not compile is a result, not a crash
             print(f"[sweep] {stage} {over}: failed: {type(e).__name__}: {e}"[:300], flush=True)
-          finally:
-            pk.CONFIG = default_cfg
         row[f"{stage}_best"] = f"{best[1]} ({best[0]:.4f} ms)"
 
     common.run_row(res, "stages", row, body, budget, margin=30)
   common.print_table("prefill stages (ms)", res.data["sections"].get("stages", []),
-                     [(c, c, ".3f") for c in ("kkt_ms", "solve_ms", "wy_ms",
-                                              "scan_ms", "output_ms", "sum_ms")])
+                     [(c, c, ".3f") for c in ("kkt_ms", "solve_ms", "scan_ms",
+                                              "output_ms", "sum_ms")])
   common.print_table("fla-core stages (ms)", res.data["sections"].get("stages", []),
                      [(c, c, ".3f") for c in ("fla_cumsum_ms", "fla_kkt_ms", "fla_solve_ms",
                                               "fla_wy_ms", "fla_scan_ms", "fla_output_ms",

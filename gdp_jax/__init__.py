@@ -39,6 +39,6 @@ def __getattr__(name):
     import importlib
     return importlib.import_module("gdp_jax.reference")
   if name == "chunk_offsets":
-    from gdp_jax.reference import chunk_offsets
+    from gdp_jax._common import chunk_offsets
     return chunk_offsets
   raise AttributeError(f"module 'gdp_jax' has no attribute {name!r}")

@@ -29,25 +29,17 @@ def resolve(backend: str) -> str:
   return backend
 
 
-def _settings():
-  """The module-level settings the launchers read while tracing (benchmarks and tests change
-  them): the prefill block table. (The decode config is a static argument.)"""
-  from gdp_jax import _prefill_kernels
-  return (_prefill_kernels.CONFIG,)
-
-
 @functools.lru_cache(maxsize=None)
-def _jitted(fn, static, settings):
-  del settings  # part of the key only: fn reads the same values from their modules
+def _jitted(fn, static):
   return jax.jit(lambda arrays: fn(**arrays, **dict(static)))
 
 
 def call_jitted(fn, arrays, **static):
-  """fn(**arrays, **static) as one jax.jit program per (fn, static arguments, settings).
+  """fn(**arrays, **static) as one jax.jit program per (fn, static arguments).
 
   An eager call then runs one compiled program instead of dispatching each jnp op on its own
   (which on a GPU means an XLA compilation per op and shape: minutes for a notebook), and under
   an outer jax.jit it inlines. `arrays` maps names to arrays or None; `static` values must be
-  hashable. The settings are in the key, so changing one traces anew instead of reusing a
-  program built under the old value."""
-  return _jitted(fn, tuple(sorted(static.items())), _settings())(arrays)
+  hashable. Block configs travel among the static arguments (no module state), so another
+  config traces anew instead of reusing a program built under the old one."""
+  return _jitted(fn, tuple(sorted(static.items())))(arrays)

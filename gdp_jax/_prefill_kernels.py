@@ -8,8 +8,7 @@ It runs, per call:
     stage 1  Gx (expanded stream), Gu (token stream)               inside stages 2 and 6
     stage 2  A = strict_lower(beta K K^T decay), Gx, key factors   chunk_kkt
     stage 3  Ai = (I + A)^-1                                       chunk_solve
-    stage 4  w, u                                                  inside stage 5, or chunk_wy
-                                                                   (see _wy_in_scan)
+    stage 4  w, u                                                  inside stage 5
     stage 5  h (chunk states), v_new, final state / cache          chunk_h
     stage 6  o                                                     chunk_o
 
@@ -19,6 +18,12 @@ that row, so the kernels take the raw rows and scale their dot products by float
 Normalised rows are neither rounded to the input dtype nor written back (1.6 GB at B=8 T=4096
 H=32).
 
+Each kernel's launch is spelled once, by a `_<stage>_launch` builder that returns a
+`KernelCall` (kernel, inputs in the kernel's order, output shapes, grid, constexprs, warps and
+stages) from the packed arrays and a `FwdConfig`; `KernelCall.run` hands it to `_launch.call`,
+and a torch launcher can read the same fields. The config travels as a static argument (hashable, part of
+every jit cache key), never as module state.
+
 Dense inputs [B, T, ...] are folded into one packed stream of B*T tokens with
 cu_seqlens = [0, T, 2T, ..] known at trace time, so one set of kernels serves both cases.
 With `cu_seqlens`, the chunk descriptors are built on the device with static upper bounds
@@ -26,32 +31,25 @@ With `cu_seqlens`, the chunk descriptors are built on the device with static upp
 """
 from __future__ import annotations
 
-import dataclasses
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from gdp_jax import _launch
-from gdp_jax.reference.chunked import chunk_descriptors, chunk_offsets
-
-# Chunk length on both streams. The solve kernel's 4x4 split of 16x16 blocks and the scan's
-# 64-row state tiles are written for exactly this value.
-BT = 64
+from gdp_jax._common import BT, chunk_descriptors, chunk_offsets
 
 
-@dataclasses.dataclass(frozen=True)
-class _PrefillConfig:
-  """Block sizes and warps. Pinned, not autotuned: BK and BV set the summation order, and
-  repeat runs must be bitwise equal (docs/algorithm.md §10.4).
+class FwdConfig(NamedTuple):
+  """Block sizes and warps of the forward kernels. Pinned, not autotuned: BK and BV set the
+  summation order, and repeat runs must be bitwise equal (docs/algorithm.md §10.4).
 
   The values are the winners of `benchmarks/prefill_stages.py --sweep` on the H200
   (2026-11-30, docs/performance.md) at B=4 T=2048 H=16 K=V=128 M=2, B=8 T=4096 H=32 and
   B=4 T=2048 H=6 K=256 V=512. One set won or came within 5% of the best at all three, so there
   is one table row, with the scan's BV keyed by the shape (by how many programs the scan has,
-  _h_block_v); stage 4 runs inside the scan at every measured shape (_wy_in_scan). Every config
-  was checked there against the previous one's output.
+  _h_block_v). Every config was checked there against the previous one's output.
   """
   # Stage 2: 2 warps and a 128-wide K slice: 0.341 against 0.369 ms (4 warps, 64) at B=8 H=32.
   kkt_bk: int = 128
@@ -68,24 +66,17 @@ class _PrefillConfig:
   # 0.702 / 0.786 / 0.531 ms at B=8 T=4096 H=32 and 0.100 / 0.114 / 0.079 ms at B=1 T=8192;
   # ptxas: tf32x3 at one warp has no spills where ieee spills 840 B.
   solve_precision: str = "tf32x3"
-  # Stage 4 when it runs as its own kernel (_wy_in_scan): one 64x64 Ai block times 128-wide
-  # slices of V (64 of K); 8 warps.
-  wy_bk: int = 64
-  wy_bv: int = 128
-  wy_warps: int = 8
-  # Stage 5: 4 warps, 3 stages (the next chunk's w, u, k tiles load while this one computes):
-  # 0.115 against 0.199 ms (8 warps, 2 stages) at B=4 H=16, 0.94 against 1.44 ms at B=8 H=32,
-  # 0.41 against 0.63 ms at K=256. BV 64 when the state fits (K up to 128: two 64x64 float32
-  # tiles) unless N*HV*ceil(V/64) programs would leave most SMs idle (a long sequence with few
-  # heads: there narrower blocks, i.e. more programs, finish the sequential chain sooner: BV 16
-  # 0.274, 32 0.340, 64 0.425 ms at B=1 T=8192 H=16, 2026-11-30); 32 for K > 128 (four tiles).
+  # Stage 5 (with stage 4 inside): 4 warps, 3 stages (the next chunk's tiles load while this
+  # one computes): 0.115 against 0.199 ms (8 warps, 2 stages) at B=4 H=16, 0.94 against 1.44 ms
+  # at B=8 H=32, 0.41 against 0.63 ms at K=256. BV 64 when the state fits (K up to 128: two
+  # 64x64 float32 tiles) unless N*HV*ceil(V/64) programs would leave most SMs idle (a long
+  # sequence with few heads: there narrower blocks, i.e. more programs, finish the sequential
+  # chain sooner: BV 16 0.274, 32 0.340, 64 0.425 ms at B=1 T=8192 H=16, 2026-11-30); 32 for
+  # K > 128 (four tiles).
   h_bv_wide: int = 64
   h_bv_narrow: int = 16
   h_bv_big_k: int = 32
   h_min_programs: int = 66  # half the SMs of an H200 (132); 128 programs measured: 64 wins
-  # Stage 4 inside the scan from this many wide-block scan programs on (_wy_in_scan): at every
-  # measured shape, so 0; a larger value brings back chunk_wy for scans with fewer programs.
-  wy_scan_min_programs: int = 0
   h_warps: int = 4
   h_stages: int = 3
   # float32 inputs (the reference-precision path) take "ieee" dots, whose operands Triton stages
@@ -102,36 +93,39 @@ class _PrefillConfig:
   o_stages: int = 2
 
 
-CONFIG = _PrefillConfig()
+class KernelCall(NamedTuple):
+  """The arguments of one `_launch.call`, spelled once per kernel by its `_<stage>_launch`
+  builder: `run` hands them to `_launch.call` (which describes them as a LaunchSpec for the
+  backend), and a torch launcher takes the same fields,
+  `kernel[grid](*args, *outputs, **constexprs, num_warps=.., num_stages=..)`."""
+  kernel: str                # "module.function" inside gdp_kernels
+  args: tuple                # the kernel's inputs in order: arrays (placeholders for absent
+                             # ones, whose constexpr flag is off) and scalars
+  out_shape: tuple           # one ShapeDtypeStruct per output pointer, in order
+  grid: tuple
+  constexprs: dict[str, Any]
+  num_warps: int
+  num_stages: int = 2
+  aliases: dict[int, int] | None = None   # {position in args: output index}
+
+  def run(self, backend: str) -> tuple[jax.Array, ...]:
+    return _launch.call(self.kernel, *self.args, grid=self.grid, out_shape=self.out_shape,
+                        backend=backend, input_output_aliases=self.aliases,
+                        num_warps=self.num_warps, num_stages=self.num_stages, **self.constexprs)
 
 
-def _wide_scan_programs(cfg: _PrefillConfig, N: int, HV: int, V: int) -> int:
-  return N * HV * -(-V // cfg.h_bv_wide)
-
-
-def _few_scan_programs(cfg: _PrefillConfig, N: int, HV: int, V: int) -> bool:
+def _few_scan_programs(cfg: FwdConfig, N: int, HV: int, V: int) -> bool:
   """Whether wide blocks would leave most SMs idle: then each scan program's sequential chunk
   chain, not the bytes, sets the prefill's pace (a long sequence with few heads)."""
-  return _wide_scan_programs(cfg, N, HV, V) < cfg.h_min_programs
+  return N * HV * -(-V // cfg.h_bv_wide) < cfg.h_min_programs
 
 
-def _h_block_v(cfg: _PrefillConfig, N: int, HV: int, K: int, V: int) -> int:
+def _h_block_v(cfg: FwdConfig, N: int, HV: int, K: int, V: int) -> int:
   if K > 128:
     return cfg.h_bv_big_k
   if _few_scan_programs(cfg, N, HV, V):
     return cfg.h_bv_narrow
   return cfg.h_bv_wide
-
-
-def _wy_in_scan(cfg: _PrefillConfig, N: int, HV: int, V: int) -> bool:
-  """Stage 4 inside the scan (chunk_h's FUSE_WY) saves writing w and u and reading them back,
-  and lengthens every chunk of the scan's chain by a third product. H200, whole prefill with
-  fla-core's CUDA-graph time beside it (2026-11-30, docs/performance.md): 0.437 -> 0.413 ms at
-  B=4 T=2048 H=16, 0.625 -> 0.574 at M=3, 3.548 -> 2.752 at B=8 T=4096 H=32, K=256 V=512 0.821
-  -> 0.776; then, with the scan's beta in float32 (see _scan): B=1 T=8192 H=16, 128 programs of
-  256 chunks each, where the chain sets the pace, 0.618 -> 0.558 (it lost there, 0.621 ->
-  0.675, while a bf16 beta load stalled each chunk), K=256 0.776 -> 0.700."""
-  return _wide_scan_programs(cfg, N, HV, V) >= cfg.wy_scan_min_programs
 
 
 def _dense_descriptors(B: int, L: int) -> np.ndarray:
@@ -167,9 +161,9 @@ def _packing(B: int, T: int, M: int, cu_seqlens) -> _Packing:
                   chunk_descriptors(cu * M, min(T * M, (T * M) // BT + N)), chunk_offsets(cu))
 
 
-def _solve_precision(dtype) -> str:
+def _solve_precision(cfg: FwdConfig, dtype) -> str:
   # The solve's products: float32 outputs (the reference-precision path) take exact ones.
-  return "ieee" if jnp.dtype(dtype) == jnp.float32 else CONFIG.solve_precision
+  return "ieee" if jnp.dtype(dtype) == jnp.float32 else cfg.solve_precision
 
 
 def _dot_precision(dtype) -> str:
@@ -178,10 +172,30 @@ def _dot_precision(dtype) -> str:
   return "ieee" if jnp.dtype(dtype) == jnp.float32 else "tf32"
 
 
-# --- one function per stage; all arrays are packed (B folded into the token axis) ----------
+def _opt(x, dtype=jnp.float32):
+  """x, or a placeholder for an absent optional pointer (its constexpr flag is off)."""
+  return x if x is not None else _launch.placeholder(dtype)
 
 
-def _kkt(k, beta, g, cu, desc, *, HV, M, backend, l2norm=False):
+_f32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)
+
+
+# --- one launch builder and one runner per stage; all arrays are packed (B folded into the
+# token axis) ------------------------------------------------------------------------------
+
+
+def _kkt_launch(k, beta, g, cu, desc, *, HV, M, l2norm, config: FwdConfig) -> KernelCall:
+  TM, H, K = k.shape
+  return KernelCall(
+      "chunk_kkt.chunk_kkt_fwd_kernel", (k, beta, _opt(g), cu, desc),
+      (_f32(TM, HV, BT), _f32(TM, HV) if g is not None else _f32(1),
+       _f32(TM, H) if l2norm else _f32(1)),
+      grid=(desc.shape[0], HV), num_warps=config.kkt_warps,
+      constexprs=dict(H=H, HV=HV, K=K, M=M, BT=BT, BK=config.kkt_bk, USE_G=g is not None,
+                      USE_RNORM=l2norm, DOT_PRECISION=_dot_precision(k.dtype)))
+
+
+def _kkt(k, beta, g, cu, desc, *, HV, M, backend, l2norm=False, config=FwdConfig()):
   """Stage 2, with stage 1 on the expanded stream and the key half of stage 0 folded in.
 
   g: [T, HV] float32 natural-log decays, or None. Returns A [T*M, HV, 64] float32; Gx
@@ -189,56 +203,73 @@ def _kkt(k, beta, g, cu, desc, *, HV, M, backend, l2norm=False):
   `l2norm` the key row factors rk [T*M, H], else None. Rows past cu_seqlens[N] are never
   written.
   """
-  TM, H, K = k.shape
-  A, gx, rk = _launch.call(
-      "chunk_kkt.chunk_kkt_fwd_kernel", k, beta,
-      g if g is not None else _launch.placeholder(), cu, desc,
-      grid=(desc.shape[0], HV),
-      out_shape=[jax.ShapeDtypeStruct((TM, HV, BT), jnp.float32),
-                 jax.ShapeDtypeStruct((TM, HV) if g is not None else (1,), jnp.float32),
-                 jax.ShapeDtypeStruct((TM, H) if l2norm else (1,), jnp.float32)],
-      backend=backend, num_warps=CONFIG.kkt_warps,
-      H=H, HV=HV, K=K, M=M, BT=BT, BK=CONFIG.kkt_bk,
-      USE_G=g is not None, USE_RNORM=l2norm, DOT_PRECISION=_dot_precision(k.dtype))
+  A, gx, rk = _kkt_launch(k, beta, g, cu, desc, HV=HV, M=M, l2norm=l2norm,
+                          config=config).run(backend)
   return A, (gx if g is not None else None), (rk if l2norm else None)
 
 
-def _solve(A, cu, desc, *, M, dtype, backend):
-  """Stage 3: Ai [T*M, HV, 64] = (I + A)^-1 per chunk, in `dtype`."""
+def _solve_launch(A, cu, desc, *, M, dtype, config: FwdConfig) -> KernelCall:
   TM, HV, _ = A.shape
-  (Ai,) = _launch.call(
-      "chunk_solve.chunk_solve_fwd_kernel", A, cu, desc,
-      grid=(desc.shape[0], HV),
-      out_shape=[jax.ShapeDtypeStruct((TM, HV, BT), dtype)],
-      backend=backend, num_warps=CONFIG.solve_warps,
-      HV=HV, M=M, BT=BT,
-      DOT_PRECISION=_solve_precision(dtype))
+  return KernelCall(
+      "chunk_solve.chunk_solve_fwd_kernel", (A, cu, desc),
+      (jax.ShapeDtypeStruct((TM, HV, BT), dtype),),
+      grid=(desc.shape[0], HV), num_warps=config.solve_warps,
+      constexprs=dict(HV=HV, M=M, BT=BT, DOT_PRECISION=_solve_precision(config, dtype)))
+
+
+def _solve(A, cu, desc, *, M, dtype, backend, config=FwdConfig()):
+  """Stage 3: Ai [T*M, HV, 64] = (I + A)^-1 per chunk, in `dtype`."""
+  (Ai,) = _solve_launch(A, cu, desc, M=M, dtype=dtype, config=config).run(backend)
   return Ai
 
 
-def _wy(k, v, beta, gx, Ai, cu, desc, *, M, backend, rk=None):
-  """Stage 4: w [T*M, HV, K], u [T*M, HV, V] in k.dtype; rk as in _kkt."""
+def _scan_launch(k, v, beta, Ai, gx, cu, offsets, n_rows, *, M, h0, state_indices, final_kind,
+                 h_dtype, snap_dtype, rk, config: FwdConfig) -> KernelCall:
   TM, H, K = k.shape
   _, HV, V = v.shape
-  w, u = _launch.call(
-      "chunk_wy.chunk_wy_fwd_kernel", k, v, beta,
-      gx if gx is not None else _launch.placeholder(),
-      rk if rk is not None else _launch.placeholder(), Ai, cu, desc,
-      grid=(desc.shape[0], HV),
-      out_shape=[jax.ShapeDtypeStruct((TM, HV, K), k.dtype),
-                 jax.ShapeDtypeStruct((TM, HV, V), k.dtype)],
-      backend=backend, num_warps=CONFIG.wy_warps,
-      H=H, HV=HV, K=K, V=V, M=M, BT=BT, BK=CONFIG.wy_bk, BV=CONFIG.wy_bv,
-      USE_G=gx is not None, USE_RNORM=rk is not None, DOT_PRECISION=_dot_precision(k.dtype))
-  return w, u
+  N = cu.shape[0] - 1
+  bv = _h_block_v(config, N, HV, K, V)
+  if final_kind == "cache":
+    # Argument 2 (h0, the cache) is output 3: updated in place when donated.
+    final, aliases = jax.ShapeDtypeStruct(h0.shape, h0.dtype), {2: 3}
+  else:
+    final, aliases = _f32(N, HV, K, V) if final_kind == "dense" else _f32(1), None
+  # float32 beta: each chunk's per-row beta load sits in the scan's sequential chain, and Triton
+  # pipelines it (cp.async, 4 bytes or more per row) only in float32; a bf16 beta is loaded
+  # where it is used, a global-memory latency per chunk (B=1 T=8192, 256 chunks: scan 0.453
+  # against 0.319 ms with float32 beta, H200, 2026-11-30).
+  return KernelCall(
+      "chunk_h.chunk_h_fwd_kernel",
+      (k, _opt(gx), _opt(h0), _opt(state_indices, jnp.int32), cu, offsets,
+       HV * K * V, K * V, h0.shape[0] if h0 is not None else N, _opt(rk), v,
+       beta.astype(jnp.float32), Ai),
+      (jax.ShapeDtypeStruct((n_rows, HV, K, V), h_dtype),
+       jax.ShapeDtypeStruct((n_rows, HV, K, V), snap_dtype) if snap_dtype is not None
+       else _f32(1),
+       jax.ShapeDtypeStruct((TM, HV, V), k.dtype), final),
+      grid=(N * HV, -(-V // bv)), aliases=aliases, num_warps=config.h_warps,
+      num_stages=config.h_stages_f32 if k.dtype == jnp.float32 else config.h_stages,
+      constexprs=dict(
+          H=H, HV=HV, K=K, V=V, M=M, BT=BT, BV=bv, USE_G=gx is not None,
+          USE_INITIAL_STATE=h0 is not None, STORE_FINAL_STATE=final_kind != "none",
+          HAS_STATE_INDICES=state_indices is not None, STORE_SNAPSHOT=snap_dtype is not None,
+          USE_RNORM=rk is not None, DOT_PRECISION=_dot_precision(k.dtype)))
 
 
-def _scan(k, w, u, gx, cu, offsets, n_rows, *, M, h0, state_indices, final_kind,
-          h_dtype, snap_dtype, backend, rk=None, fused_wy=None):
-  """Stage 5: the inter-chunk scan.
+def _scan(k, v, beta, Ai, gx, cu, offsets, n_rows, *, M, h0, state_indices, final_kind,
+          h_dtype, snap_dtype, backend, rk=None, config=FwdConfig()):
+  """Stage 5, with stage 4 inside: the inter-chunk scan forms each chunk's w S and u from k, v,
+  beta and Ai itself (docs/algorithm.md §4.6), so w and u never exist in memory.
+
+  Stage 4 as a kernel of its own (chunk_wy, writing w and u for the scan to read back) was
+  measured against it on the H200, whole prefill with fla-core's CUDA-graph time beside it
+  (2026-11-30, docs/performance.md), and removed: inside the scan 0.437 -> 0.413 ms at
+  B=4 T=2048 H=16, 0.625 -> 0.574 at M=3, 3.548 -> 2.752 at B=8 T=4096 H=32, K=256 V=512 0.821
+  -> 0.776; B=1 T=8192 H=16 (128 programs of 256 chunks, where the chain sets the pace) 0.618
+  -> 0.558, K=256 0.776 -> 0.700 with the float32 beta below.
 
   Args:
-    k, w, u: [T*M, H, K], [T*M, HV, K], [T*M, HV, V]; w and u are None with `fused_wy`.
+    k, v, beta, Ai: [T*M, H, K], [T*M, HV, V], [T*M, HV], [T*M, HV, 64] (stage 3's inverse).
     gx: [T*M, HV] float32 or None.
     cu, offsets: [N+1] int32 sequence starts and first rows in the chunk states.
     n_rows: rows of the chunk-state outputs (static).
@@ -249,92 +280,49 @@ def _scan(k, w, u, gx, cu, offsets, n_rows, *, M, h0, state_indices, final_kind,
     h_dtype: dtype of the chunk states read by stage 6.
     snap_dtype: dtype of a second copy of the chunk states, or None for no copy.
     rk: None, or the key row factors [T*M, H].
-    fused_wy: None, or (v, beta, Ai) as stage 4 takes them: the scan then forms w S and u
-      itself (stage 4 folded in, chunk_h's FUSE_WY).
 
   Returns:
     (h, h_snap or None, v_new, final or None).
   """
-  TM, H, K = k.shape
-  _, HV, V = (u if fused_wy is None else fused_wy[0]).shape
-  N = cu.shape[0] - 1
-  bv = _h_block_v(CONFIG, N, HV, K, V)
-  out_shape = [
-      jax.ShapeDtypeStruct((n_rows, HV, K, V), h_dtype),
-      jax.ShapeDtypeStruct((n_rows, HV, K, V) if snap_dtype is not None else (1,),
-                           snap_dtype if snap_dtype is not None else jnp.float32),
-      jax.ShapeDtypeStruct((TM, HV, V), k.dtype),
-  ]
-  aliases = None
-  if final_kind == "cache":
-    out_shape.append(jax.ShapeDtypeStruct(h0.shape, h0.dtype))
-    aliases = {4: 3}  # argument 4 (h0, the cache) is output 3: in place when donated
-  elif final_kind == "dense":
-    out_shape.append(jax.ShapeDtypeStruct((N, HV, K, V), jnp.float32))
-  else:
-    out_shape.append(jax.ShapeDtypeStruct((1,), jnp.float32))
-  S = h0.shape[0] if h0 is not None else N
-  ph = _launch.placeholder
-  if fused_wy is not None:
-    v, beta, Ai = fused_wy
-    # float32: each chunk's per-row beta load sits in the scan's sequential chain, and Triton
-    # pipelines it (cp.async, 4 bytes or more per row) only in float32; a bf16 beta is loaded
-    # where it is used, a global-memory latency per chunk (B=1 T=8192, 256 chunks: scan 0.453
-    # against 0.319 ms with float32 beta, H200, 2026-11-30).
-    beta = beta.astype(jnp.float32)
-  else:
-    v, beta, Ai = ph(), ph(), ph()
-  h, h_snap, v_new, ht = _launch.call(
-      "chunk_h.chunk_h_fwd_kernel", k,
-      w if w is not None else ph(), u if u is not None else ph(),
-      gx if gx is not None else ph(),
-      h0 if h0 is not None else ph(),
-      state_indices if state_indices is not None else ph(jnp.int32),
-      cu, offsets,
-      HV * K * V, K * V, S,
-      rk if rk is not None else ph(), v, beta, Ai,
-      grid=(N * HV, -(-V // bv)),
-      out_shape=out_shape,
-      input_output_aliases=aliases,
-      backend=backend, num_warps=CONFIG.h_warps,
-      num_stages=CONFIG.h_stages_f32 if k.dtype == jnp.float32 else CONFIG.h_stages,
-      H=H, HV=HV, K=K, V=V, M=M, BT=BT, BV=bv,
-      USE_G=gx is not None, USE_INITIAL_STATE=h0 is not None,
-      STORE_FINAL_STATE=final_kind != "none", HAS_STATE_INDICES=state_indices is not None,
-      STORE_SNAPSHOT=snap_dtype is not None, USE_RNORM=rk is not None,
-      FUSE_WY=fused_wy is not None, DOT_PRECISION=_dot_precision(k.dtype))
+  h, h_snap, v_new, ht = _scan_launch(
+      k, v, beta, Ai, gx, cu, offsets, n_rows, M=M, h0=h0, state_indices=state_indices,
+      final_kind=final_kind, h_dtype=h_dtype, snap_dtype=snap_dtype, rk=rk,
+      config=config).run(backend)
   return (h, h_snap if snap_dtype is not None else None, v_new,
           ht if final_kind != "none" else None)
 
 
+def _output_launch(q, k, v_new, h, g, state_indices, S, cu, desc, *, M, scale, out_dtype, rk,
+                   config: FwdConfig) -> KernelCall:
+  T, H, K = q.shape
+  _, HV, V = v_new.shape
+  return KernelCall(
+      "chunk_o.chunk_o_fwd_kernel",
+      (q, k, v_new, h, _opt(g), _opt(rk), _opt(state_indices, jnp.int32), cu, desc, S,
+       float(scale)),
+      (jax.ShapeDtypeStruct((T, HV, V), out_dtype),),
+      grid=(desc.shape[0], -(-V // config.o_bv), HV), num_warps=config.o_warps,
+      num_stages=config.o_stages,
+      constexprs=dict(H=H, HV=HV, K=K, V=V, M=M, BT=BT, BK=config.o_bk, BV=config.o_bv,
+                      USE_G=g is not None, HAS_STATE_INDICES=state_indices is not None,
+                      USE_RNORM=rk is not None, DOT_PRECISION=_dot_precision(q.dtype)))
+
+
 def _output(q, k, v_new, h, g, state_indices, S, cu, desc, *, M, scale, out_dtype, backend,
-            rk=None):
+            rk=None, config=FwdConfig()):
   """Stage 6: o [T, HV, V] in out_dtype; rows of tokens outside every sequence are unwritten.
   g: [T, HV] float32 natural-log decays or None (the kernel takes their token-stream cumsum
   Gu itself). rk: None, or the key row factors [T*M, H] of stage 2; then q is L2-normalised
   too, by factors the kernel computes from the q rows it loads."""
-  T, H, K = q.shape
-  _, HV, V = v_new.shape
-  bv = CONFIG.o_bv
-  (o,) = _launch.call(
-      "chunk_o.chunk_o_fwd_kernel", q, k, v_new, h,
-      g if g is not None else _launch.placeholder(),
-      rk if rk is not None else _launch.placeholder(),
-      state_indices if state_indices is not None else _launch.placeholder(jnp.int32),
-      cu, desc, S, float(scale),
-      grid=(desc.shape[0], -(-V // bv), HV),
-      out_shape=[jax.ShapeDtypeStruct((T, HV, V), out_dtype)],
-      backend=backend, num_warps=CONFIG.o_warps, num_stages=CONFIG.o_stages,
-      H=H, HV=HV, K=K, V=V, M=M, BT=BT, BK=CONFIG.o_bk, BV=bv,
-      USE_G=g is not None, HAS_STATE_INDICES=state_indices is not None,
-      USE_RNORM=rk is not None, DOT_PRECISION=_dot_precision(q.dtype))
+  (o,) = _output_launch(q, k, v_new, h, g, state_indices, S, cu, desc, M=M, scale=scale,
+                        out_dtype=out_dtype, rk=rk, config=config).run(backend)
   return o
 
 
 def _chunk_gated_delta_product_fwd(
     q, k, v, g, beta, *, num_householder, scale, initial_state, output_final_state,
     use_qk_l2norm_in_kernel, cu_seqlens, state, state_indices, return_chunk_states,
-    chunk_states_dtype, backend, return_residuals=False):
+    chunk_states_dtype, backend, return_residuals=False, config=FwdConfig()):
   """Chunked prefill on the Triton kernels; matches `gdp_jax.reference.chunk_gated_delta_product`.
 
   Inputs were checked by the caller (`gdp_jax.prefill`); `scale` is a float.
@@ -364,6 +352,7 @@ def _chunk_gated_delta_product_fwd(
       chunk_offsets(M * cu_seqlens)[n] + j) and v_new [B*T*M, HV, V]. The first three are
       intermediates of every forward; h_x costs the scan a checkpoint per expanded chunk
       instead of per token chunk, and a gather.
+    config: the kernels' block sizes and warps (static; benchmarks sweep it).
 
   Returns:
     (o, final_state), plus chunk_states when `return_chunk_states`, plus the residuals last
@@ -384,7 +373,6 @@ def _chunk_gated_delta_product_fwd(
   q = q.astype(dtype)
   v = v.astype(dtype)
 
-
   # Fold the batch into one packed stream: every kernel indexes rows through cu_seqlens.
   q = q.reshape(B * T, H, K)
   k = k.reshape(B * T * M, H, K)
@@ -403,13 +391,8 @@ def _chunk_gated_delta_product_fwd(
     g = g.reshape(B * T, HV).astype(jnp.float32)
 
   A, gx, rk = _kkt(k, beta, g, cu, desc_x, HV=HV, M=M, backend=backend,
-                   l2norm=use_qk_l2norm_in_kernel)
-  Ai = _solve(A, cu, desc_x, M=M, dtype=dtype, backend=backend)
-  wy_in_scan = _wy_in_scan(CONFIG, N, HV, V)
-  if wy_in_scan:
-    w = u = None
-  else:
-    w, u = _wy(k, v, beta, gx, Ai, cu, desc_x, M=M, backend=backend, rk=rk)
+                   l2norm=use_qk_l2norm_in_kernel, config=config)
+  Ai = _solve(A, cu, desc_x, M=M, dtype=dtype, backend=backend, config=config)
 
   if state is not None:
     h0, final_kind = state, "cache"
@@ -435,20 +418,20 @@ def _chunk_gated_delta_product_fwd(
     # cheaper than a second scan in the backward).
     offsets_x = chunk_offsets(cu * M)
     h_x, _, v_new, final = _scan(
-        k, w, u, gx, cu * M, offsets_x, desc_x.shape[0], M=1, h0=h0, state_indices=None,
+        k, v, beta, Ai, gx, cu * M, offsets_x, desc_x.shape[0], M=1, h0=h0, state_indices=None,
         final_kind=final_kind, h_dtype=dtype, snap_dtype=None, backend=backend, rk=rk,
-        fused_wy=(v, beta, Ai) if wy_in_scan else None)
+        config=config)
     seq, c = desc_t[:, 0], desc_t[:, 1]
     h = jnp.take(h_x, jnp.where(seq >= 0, offsets_x[jnp.maximum(seq, 0)] + c * M, 0), axis=0)
     h_snap = None
   else:
     h, h_snap, v_new, final = _scan(
-        k, w, u, gx, cu, offsets, n_rows, M=M, h0=h0, state_indices=state_indices,
-        final_kind=final_kind, h_dtype=h_dtype, snap_dtype=snap_dtype, backend=backend,
-        rk=rk, fused_wy=(v, beta, Ai) if wy_in_scan else None)
+        k, v, beta, Ai, gx, cu, offsets, n_rows, M=M, h0=h0, state_indices=state_indices,
+        final_kind=final_kind, h_dtype=h_dtype, snap_dtype=snap_dtype, backend=backend, rk=rk,
+        config=config)
   S = state.shape[0] if state is not None else N
   o = _output(q, k, v_new, h, g, state_indices, S, cu, desc_t, M=M, scale=scale,
-              out_dtype=out_dtype, backend=backend, rk=rk)
+              out_dtype=out_dtype, backend=backend, rk=rk, config=config)
 
   if cu_seqlens is not None:
     # Tokens past cu_seqlens[N] belong to no sequence and no program writes them (§5.4); a

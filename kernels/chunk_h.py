@@ -1,33 +1,31 @@
-"""Stage 5 of the chunked prefill: the inter-chunk state scan (h, v_new, final state).
+"""Stages 4 and 5 of the chunked prefill: the inter-chunk state scan (h, v_new, final state),
+with each chunk's WY factors formed in place.
 
 One program carries the [K, BV] column slice of the state S of one sequence and one value head
 in float32 registers, as up to four 64 x BV tiles (tiles past ceil(K/64) are compiled out; this
 layout is why K <= 256), and sweeps the sequence's NX expanded chunks in order
-(docs/algorithm.md §4.7):
+(docs/algorithm.md §4.6, §4.7):
 
     S = S0 slice (zeros without an initial state, or for a padding slot)
     for e in 0..NX-1:
         if e % M == 0:  h[chunk_offset + e / M] = S        # entering state of token chunk e/M
-        D = u[rows] - w[rows] @ S                           # v_new, stored before any decay
+        D = Ai @ (diag(beta) V[rows] - diag(beta 2^Gx rk) (K[rows] @ S))  # v_new = u - w S,
+                                                                           # before any decay
         if USE_G:  D *= 2^(Gx_last - Gx[rows]);  S *= 2^Gx_last
         S += K[rows]^T @ D
     final state = S
 
-With FUSE_WY the program forms D from stage 4's definitions instead of reading w and u
-(docs/algorithm.md §4.6: w S = Ai diag(beta 2^Gx rk) K S, one [64, K] x [K, BV] product with the
-keys in place of the one with w), the key tiles loaded once for K S and K^T D:
+D is stage 4's u - w S regrouped (w S = Ai diag(beta 2^Gx rk) K S): one [64, K] x [K, BV]
+product with the keys and one [64, 64] x [64, BV] product with Ai, the key tiles loaded once for
+K S and K^T D, so w and u are never written and read back (2.1 GB at B=8 T=4096 H=32). The
+operand of the Ai product is formed in float32 and rounded to the input dtype, as a separate
+stage 4 would round its own (one rounding fewer than w and u stored, then multiplied). The
+price is a third dependent product in each chunk's chain (docs/performance.md).
 
-        D = Ai @ (diag(beta) V[rows] - diag(beta 2^Gx rk) (K[rows] @ S))
-
-so stage 4 and its w, u round trip through memory (2.1 GB at B=8 T=4096 H=32) are skipped;
-the operand of the Ai product is formed in float32 and rounded to the input dtype, as stage 4
-rounds its own (one rounding fewer than w and u stored, then multiplied). The price is a third
-dependent product in each chunk's chain, which the launcher weighs per shape.
-
-The dots take w (or Ai), K and the state in the input dtype and accumulate in float32. The
-checkpoint is written in the dtype of `h` (read back by stage 6) and, with STORE_SNAPSHOT, again
-in the dtype of `h_snap` (the caller's chunk_states dtype, when stage 6 cannot read that one
-without losing bits).
+The dots take Ai, K and the state in the input dtype and accumulate in float32. The checkpoint
+is written in the dtype of `h` (read back by stage 6) and, with STORE_SNAPSHOT, again in the
+dtype of `h_snap` (the caller's chunk_states dtype, when stage 6 cannot read that one without
+losing bits).
 
 The initial state comes from `h0` and the final state goes to `ht`: either a dense initial
 state [N, HV, K, V] and a dense float32 final state, both at row n, or the state cache
@@ -98,7 +96,7 @@ def _row_tile(p, row, mask_r, i_t, o_k, STRIDE: tl.constexpr, K: tl.constexpr):
 
 @triton.jit
 def _row_tile_t(p, row, mask_r, i_t, o_k, STRIDE: tl.constexpr, K: tl.constexpr):
-  """The transpose of _row_tile: [64, BT]."""
+  """The transpose of _row_tile: [64, BT] (chunk_h_bwd's loads)."""
   o = i_t * 64 + o_k
   return tl.load(p + row[None, :] * STRIDE + o[:, None], mask=mask_r[None, :] & (o < K)[:, None],
                  other=0.)
@@ -109,8 +107,8 @@ def _rows_dot_state(p, row, mask_r, b_h1, b_h2, b_h3, b_h4, o_k, STRIDE: tl.cons
                     K: tl.constexpr, DOT_PRECISION: tl.constexpr):
   """Rows `row` of a row-major [*, STRIDE] array (their first K columns) times the [K, BV] state
   held as 64-row tiles, the state rounded to the rows' dtype: [BT, BV] float32; and the row
-  tiles themselves, which the scan with stage 4 inside uses again for K^T D (tiles past K are
-  the first one again, never read)."""
+  tiles themselves, which the scan uses again for K^T D (tiles past K are the first one again,
+  never read)."""
   b_x1 = _row_tile(p, row, mask_r, 0, o_k, STRIDE, K)
   acc = tl.dot(b_x1, b_h1.to(b_x1.dtype), input_precision=DOT_PRECISION)
   b_x2 = b_x1
@@ -132,8 +130,6 @@ def _rows_dot_state(p, row, mask_r, b_h1, b_h2, b_h3, b_h4, o_k, STRIDE: tl.cons
 def chunk_h_fwd_kernel(
     # inputs
     k,              # [T*M, H, K] expanded-stream keys
-    w,              # [T*M, HV, K] WY factor, input dtype
-    u,              # [T*M, HV, V] WY factor, input dtype
     g_cum,          # [T*M, HV] float32 Gx (log2 units); a placeholder when USE_G is False
     h0,             # [N, HV, K, V] initial state, or [S, HV, K, V] cache; placeholder if unused
     state_indices,  # [N] int32 slot per sequence; a placeholder without HAS_STATE_INDICES
@@ -143,7 +139,6 @@ def chunk_h_fwd_kernel(
     stride_hv,      # elements between heads of h0 and ht; the [K, V] part is contiguous
     S,              # slots of the cache: a slot outside [0, S) is padding
     rk,             # [T*M, H] float32 1/|k| row factors (USE_RNORM; else a placeholder)
-    # With FUSE_WY only (placeholders otherwise; with FUSE_WY, w and u are the placeholders):
     v,              # [T*M, HV, V] values, input dtype
     beta,           # [T*M, HV] float32
     Ai,             # [T*M, HV, BT] (I + A)^-1 of stage 3, input dtype
@@ -169,7 +164,6 @@ def chunk_h_fwd_kernel(
     HAS_STATE_INDICES: tl.constexpr,
     STORE_SNAPSHOT: tl.constexpr,
     USE_RNORM: tl.constexpr,  # keys L2-normalised by their row factors, applied after dots
-    FUSE_WY: tl.constexpr,    # D from v, beta and Ai (above) instead of w and u
     DOT_PRECISION: tl.constexpr,  # "ieee" for float32 inputs, else the tensor-core default
 ):
   i_nh, i_v = tl.program_id(0), tl.program_id(1)
@@ -213,7 +207,6 @@ def chunk_h_fwd_kernel(
     b_h1, b_h2, b_h3, b_h4 = _load_state(h0 + i_s * stride_s + i_hv * stride_hv, o_k, o_v,
                                          mask_v, K, V)
 
-  p_w = w + i_hv * K
   p_k = k + i_h * K
   for i_e in range(0, n_x):
     if i_e % M == 0:
@@ -233,25 +226,20 @@ def chunk_h_fwd_kernel(
       b_g = tl.load(g_cum + row * HV + i_hv, mask=mask_r, other=0.)
     m_rv = mask_r[:, None] & mask_v[None, :]
     off_v = row[:, None] * (HV * V) + i_hv * V + o_v[None, :]
-    if FUSE_WY:
-      # The key tiles are loaded once, for K S here and (transposed) K^T D below.
-      b_ks, b_k1, b_k2, b_k3, b_k4 = _rows_dot_state(p_k, row, mask_r, b_h1, b_h2, b_h3, b_h4,
-                                                     o_k, H * K, K, DOT_PRECISION)
-      b_beta = tl.load(beta + row * HV + i_hv, mask=mask_r, other=0.).to(tl.float32)
-      b_kscale = b_beta
-      if USE_G:
-        b_kscale = b_kscale * tl.exp2(b_g)
-      if USE_RNORM:
-        b_kscale = b_kscale * b_rk
-      b_x = (tl.load(v + off_v, mask=m_rv, other=0.).to(tl.float32) * b_beta[:, None]
-             - b_ks * b_kscale[:, None])
-      b_Ai = tl.load(Ai + row[:, None] * (HV * BT) + i_hv * BT + tl.arange(0, BT)[None, :],
-                     mask=mask_r[:, None], other=0.)
-      b_v = tl.dot(b_Ai, b_x.to(b_Ai.dtype), input_precision=DOT_PRECISION)
-    else:
-      b_wh = _rows_dot_state(p_w, row, mask_r, b_h1, b_h2, b_h3, b_h4, o_k, HV * K, K,
-                             DOT_PRECISION)[0]
-      b_v = tl.load(u + off_v, mask=m_rv, other=0.).to(tl.float32) - b_wh
+    # The key tiles are loaded once, for K S here and (transposed) K^T D below.
+    b_ks, b_k1, b_k2, b_k3, b_k4 = _rows_dot_state(p_k, row, mask_r, b_h1, b_h2, b_h3, b_h4,
+                                                   o_k, H * K, K, DOT_PRECISION)
+    b_beta = tl.load(beta + row * HV + i_hv, mask=mask_r, other=0.).to(tl.float32)
+    b_kscale = b_beta
+    if USE_G:
+      b_kscale = b_kscale * tl.exp2(b_g)
+    if USE_RNORM:
+      b_kscale = b_kscale * b_rk
+    b_x = (tl.load(v + off_v, mask=m_rv, other=0.).to(tl.float32) * b_beta[:, None]
+           - b_ks * b_kscale[:, None])
+    b_Ai = tl.load(Ai + row[:, None] * (HV * BT) + i_hv * BT + tl.arange(0, BT)[None, :],
+                   mask=mask_r[:, None], other=0.)
+    b_v = tl.dot(b_Ai, b_x.to(b_Ai.dtype), input_precision=DOT_PRECISION)
     # Stored before the decay scaling below: stage 6 applies its own decays.
     tl.store(v_new + off_v, b_v.to(v_new.dtype.element_ty), mask=m_rv)
 
@@ -271,26 +259,13 @@ def chunk_h_fwd_kernel(
       b_v = b_v * b_rk[:, None]  # normalised K^T D = K^T (diag(1/|k|) D)
     b_v = b_v.to(k.dtype.element_ty)
 
-    if FUSE_WY:
-      b_h1 += tl.dot(tl.trans(b_k1), b_v, input_precision=DOT_PRECISION)
-      if K > 64:
-        b_h2 += tl.dot(tl.trans(b_k2), b_v, input_precision=DOT_PRECISION)
-      if K > 128:
-        b_h3 += tl.dot(tl.trans(b_k3), b_v, input_precision=DOT_PRECISION)
-      if K > 192:
-        b_h4 += tl.dot(tl.trans(b_k4), b_v, input_precision=DOT_PRECISION)
-    else:
-      b_h1 += tl.dot(_row_tile_t(p_k, row, mask_r, 0, o_k, H * K, K), b_v,
-                     input_precision=DOT_PRECISION)
-      if K > 64:
-        b_h2 += tl.dot(_row_tile_t(p_k, row, mask_r, 1, o_k, H * K, K), b_v,
-                       input_precision=DOT_PRECISION)
-      if K > 128:
-        b_h3 += tl.dot(_row_tile_t(p_k, row, mask_r, 2, o_k, H * K, K), b_v,
-                       input_precision=DOT_PRECISION)
-      if K > 192:
-        b_h4 += tl.dot(_row_tile_t(p_k, row, mask_r, 3, o_k, H * K, K), b_v,
-                       input_precision=DOT_PRECISION)
+    b_h1 += tl.dot(tl.trans(b_k1), b_v, input_precision=DOT_PRECISION)
+    if K > 64:
+      b_h2 += tl.dot(tl.trans(b_k2), b_v, input_precision=DOT_PRECISION)
+    if K > 128:
+      b_h3 += tl.dot(tl.trans(b_k3), b_v, input_precision=DOT_PRECISION)
+    if K > 192:
+      b_h4 += tl.dot(tl.trans(b_k4), b_v, input_precision=DOT_PRECISION)
 
   if STORE_FINAL_STATE:
     p_ht = ht + i_s * stride_s + i_hv * stride_hv

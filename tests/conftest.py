@@ -2,9 +2,11 @@
 
 On a machine without a GPU the Triton kernels run through the interpreter, which must be switched
 on before triton is first imported; float64 is enabled so the references can serve as oracles.
+Hypothesis runs derandomized.
 """
 import os
 
+import hypothesis
 import jax
 
 if jax.default_backend() != "gpu":
@@ -13,6 +15,11 @@ jax.config.update("jax_enable_x64", True)
 
 # Kernel backend for the CPU/GPU-agnostic test bodies: the interpreter on a CPU, jax_triton on a GPU.
 KERNEL_BACKEND = "triton" if jax.default_backend() == "gpu" else "interpret"
+
+# Property tests draw the same examples on every run (derandomized, no example database), so
+# CI's shapes and time do not change from run to run; each test fixes its own max_examples.
+hypothesis.settings.register_profile("gdp", derandomize=True, database=None)
+hypothesis.settings.load_profile("gdp")
 
 
 # -------------------------------------------------------------------------------------------------

@@ -1,4 +1,7 @@
-"""Comparison helpers shared by the tests."""
+"""What the tests share: the comparison helpers (relative error, bitwise equality), float64
+upcasts, random inputs, and the prefill's case table entries and their inputs."""
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -7,10 +10,14 @@ import numpy as np
 RTOL = {"float64": 1e-10, "float32": 1e-5, "bfloat16": 1e-2, "float16": 5e-3}
 
 
+def _f64(x) -> np.ndarray:
+  return np.asarray(jnp.asarray(x, jnp.float64) if isinstance(x, jax.Array) else x, np.float64)
+
+
 def err_ratio(ref, out) -> float:
-  """||out - ref|| / ||ref|| in float64, the metric of fla's tests (rms ratio)."""
-  ref = np.asarray(ref, np.float64)
-  out = np.asarray(out, np.float64)
+  """||out - ref|| / ||ref|| in float64, the metric of fla's tests (rms ratio); the rms error
+  itself where the reference is all zeros."""
+  ref, out = _f64(ref), _f64(out)
   if ref.size == 0:  # e.g. a batch whose requests are all padding: nothing to compare
     return 0.0
   den = np.sqrt(np.mean(ref ** 2))
@@ -18,16 +25,27 @@ def err_ratio(ref, out) -> float:
   return float(num / den) if den > 0 else float(num)
 
 
-def assert_close(name, ref, out, ratio):
-  """Passes if max|ref - out| <= 1e-6 (tiny tensors) or the rms ratio is under `ratio`."""
-  ref = np.asarray(jnp.asarray(ref, jnp.float64) if isinstance(ref, jax.Array) else ref, np.float64)
-  out = np.asarray(jnp.asarray(out, jnp.float64) if isinstance(out, jax.Array) else out, np.float64)
+def assert_close(name, ref, out, rtol, *, atol=0.0):
+  """Passes if out and ref are finite, of one shape, and rms(out - ref) <= rtol * rms(ref) + atol.
+
+  The criterion is relative: ||out - ref|| / ||ref|| over the whole tensor, in float64. `atol`
+  is an absolute floor on the rms error, for a reference that may be (near) zero, where a ratio
+  says nothing; a test that passes one says why. With atol = 0 an all-zero reference passes only
+  an all-zero result.
+  """
+  ref, out = _f64(ref), _f64(out)
   assert ref.shape == out.shape, f"{name}: shape {out.shape} != reference {ref.shape}"
   assert np.all(np.isfinite(out)), f"{name}: {np.sum(~np.isfinite(out))} non-finite values"
   assert np.all(np.isfinite(ref)), f"{name}: reference has non-finite values"
-  diff = float(np.max(np.abs(ref - out))) if ref.size else 0.0
-  r = err_ratio(ref, out)
-  assert diff <= 1e-6 or r < ratio, f"{name}: ratio {r:.3e} >= {ratio:.1e} (max abs diff {diff:.3e})"
+  if ref.size == 0:
+    return
+  err = float(np.sqrt(np.mean((ref - out) ** 2)))
+  den = float(np.sqrt(np.mean(ref ** 2)))
+  diff = float(np.max(np.abs(ref - out)))
+  assert err <= rtol * den + atol, (
+      f"{name}: ratio {err / den if den else float('inf'):.3e} > {rtol:.1e}"
+      + (f" (absolute floor {atol:.1e})" if atol else "")
+      + f"; rms error {err:.3e}, max abs diff {diff:.3e}")
 
 
 def bits_equal(a, b) -> bool:
@@ -37,6 +55,99 @@ def bits_equal(a, b) -> bool:
   if a.shape != b.shape or a.dtype != b.dtype:
     return False
   return a.tobytes() == b.tobytes()
+
+
+def upcast(tree):
+  """Every floating array of a pytree in float64 (the references as oracles)."""
+  floating = lambda x: isinstance(x, jax.Array) and jnp.issubdtype(x.dtype, jnp.floating)
+  return jax.tree.map(lambda x: x.astype(jnp.float64) if floating(x) else x, tree)
+
+
+# --- random inputs ---------------------------------------------------------------------------
+
+
+def keys(rng, shape, l2):
+  """Unit rows; with `l2` (the in-kernel norm will normalise) rows of random length instead."""
+  x = rng.standard_normal(shape)
+  if l2:
+    return x * rng.uniform(0.3, 3.0, shape[:-1] + (1,))
+  return x / np.linalg.norm(x, axis=-1, keepdims=True)
+
+
+def decays(rng, shape):
+  """Log decays from about -1e-3 down to -20, a quarter of them exact zeros, some exactly -20."""
+  g = -np.exp(rng.uniform(np.log(1e-3), np.log(20.0), shape))
+  g[rng.random(shape) < 0.25] = 0.0
+  g[rng.random(shape) < 0.05] = -20.0
+  return g
+
+
+# --- the prefill's cases ---------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class PrefillCase:
+  """One prefill call: shapes, dtype and which optional inputs and outputs it has."""
+  B: int = 1
+  T: int = 65
+  H: int = 1
+  HV: int = 2
+  K: int = 16
+  V: int = 16
+  M: int = 2
+  dtype: str = "float32"
+  use_g: bool = True
+  use_beta: bool = True
+  l2norm: bool = False
+  init: bool = False            # dense initial state
+  final: bool = True            # output_final_state (dense; ignored with a cache)
+  cache: str = ""               # "", "slots" (S > N, permuted, -1 and out of range), "plain"
+  varlen: tuple = ()            # sequence lengths, packed (B == 1); slack tokens follow
+  chunk_states: bool = False    # return_chunk_states
+  states_dtype: str = ""        # chunk_states_dtype ("" = None)
+
+  @property
+  def id(self):
+    s = f"B{self.B}-T{self.T}-H{self.H}-HV{self.HV}-K{self.K}-V{self.V}-M{self.M}-{self.dtype}"
+    s += "" if self.use_g else "-nog"
+    s += "" if self.use_beta else "-nobeta"
+    s += ("-l2" if self.l2norm else "") + ("-h0" if self.init else "")
+    s += "" if self.final or self.cache else "-nofinal"
+    s += f"-cache_{self.cache}" if self.cache else ""
+    s += f"-varlen{'_'.join(map(str, self.varlen))}" if self.varlen else ""
+    s += "-cs" + (f"_{self.states_dtype}" if self.states_dtype else "") if self.chunk_states else ""
+    return s
+
+  @property
+  def N(self):
+    return len(self.varlen) if self.varlen else self.B
+
+
+def prefill_inputs(c: PrefillCase, seed):
+  """Public-API arguments for case c: (array arguments, keyword arguments)."""
+  rng = np.random.default_rng(seed)
+  dt = jnp.dtype(c.dtype)
+  q = rng.standard_normal((c.B, c.T, c.H, c.K))
+  k = rng.standard_normal((c.B, c.T * c.M, c.H, c.K))
+  if not c.l2norm:  # unnormalised keys with beta near 2 blow the state up and prove nothing
+    q /= np.linalg.norm(q, axis=-1, keepdims=True)
+    k /= np.linalg.norm(k, axis=-1, keepdims=True)
+  a = dict(q=jnp.asarray(q, dt), k=jnp.asarray(k, dt),
+           v=jnp.asarray(rng.standard_normal((c.B, c.T * c.M, c.HV, c.V)), dt))
+  if c.use_g:
+    g = -rng.exponential(0.5, (c.B, c.T, c.HV))
+    g[rng.random(g.shape) < 0.1] = 0.       # exact zeros
+    g[rng.random(g.shape) < 0.03] = -20.    # strong decays
+    a["g"] = jnp.asarray(g, jnp.float32)
+  else:
+    a["g"] = None
+  a["beta"] = (jnp.asarray(rng.uniform(0, 2, (c.B, c.T * c.M, c.HV)), dt) if c.use_beta
+               else None)
+  kw = dict(num_householder=c.M, use_qk_l2norm_in_kernel=c.l2norm,
+            return_chunk_states=c.chunk_states,
+            chunk_states_dtype=jnp.dtype(c.states_dtype) if c.states_dtype else None)
+  kw.update(state_arguments(rng, c, c.N))
+  return a, kw
 
 
 def state_arguments(rng, c, N):
@@ -68,3 +179,12 @@ def state_arguments(rng, c, N):
   else:
     kw["output_final_state"] = c.final
   return kw
+
+
+def padding(kw, N) -> np.ndarray:
+  """[N] bools: which sequences of a call with keyword arguments kw are padding (a slot outside
+  [0, S))."""
+  if "state_indices" not in kw:
+    return np.zeros(N, bool)
+  si = np.asarray(kw["state_indices"])
+  return (si < 0) | (si >= kw["state"].shape[0])

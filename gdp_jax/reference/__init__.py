@@ -4,9 +4,9 @@ The token-by-token `lax.scan` forms in `recurrent` are the oracles; `chunk_gated
 here is the scan form, `chunk_gated_delta_product_chunked` the chunked WY form of the prefill.
 `chunk_offsets` and `chunk_descriptors` index packed chunk lists on the device.
 """
-from gdp_jax.reference.chunked import chunk_descriptors
+from gdp_jax._common import chunk_descriptors
+from gdp_jax._common import chunk_offsets
 from gdp_jax.reference.chunked import chunk_gated_delta_product as chunk_gated_delta_product_chunked
-from gdp_jax.reference.chunked import chunk_offsets
 from gdp_jax.reference.prepare import beta_gate
 from gdp_jax.reference.prepare import decay_gate
 from gdp_jax.reference.prepare import gated_delta_product_decode_prepare

@@ -11,11 +11,7 @@ expanded stream the way `gdp_jax.gated_delta_product_decode` does internally.
 """
 import jax.numpy as jnp
 
-
-def _softplus(x):
-  # jax.nn.softplus is logaddexp(x, 0), without torch's threshold; the clamp keeps exp finite
-  # (and a gradient through the unused branch free of inf).
-  return jnp.where(x > 20, x, jnp.log1p(jnp.exp(jnp.minimum(x, 20))))
+from gdp_jax._common import softplus as _softplus
 
 
 def decay_gate(a, A_log, dt_bias):

@@ -16,9 +16,7 @@ A dense batch without a shared cache is one such scan per sequence, vmapped (T s
 import jax
 import jax.numpy as jnp
 
-from gdp_jax.reference.chunked import chunk_offsets
-
-BT = 64  # chunk length of the prefill snapshots (chunk_states)
+from gdp_jax._common import BT, chunk_offsets
 
 
 def _compute_dtype(v):
