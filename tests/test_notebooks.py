@@ -82,6 +82,7 @@ def _checks(text, pattern):
   return [m.group(1) for m in re.finditer(pattern, text)]
 
 
+@pytest.mark.slow  # a whole notebook in a kernel of its own: 20 to 30 s
 def test_quickstart(run_notebook):
   text, _ = run_notebook("quickstart.ipynb")
   errors = [float(x) for x in re.findall(r"\d\.\de[-+]\d\d", text)]   # every printed rel err
@@ -92,6 +93,7 @@ def test_quickstart(run_notebook):
     assert claim in text, text
 
 
+@pytest.mark.slow  # a whole notebook in a kernel of its own: 20 to 30 s
 def test_serving(run_notebook):
   text, images = run_notebook("serving.ipynb")
   assert images == 2, text              # state norms, slot occupancy + acceptance
@@ -141,6 +143,7 @@ def test_performance_plots_results(run_notebook, tmp_path):
   assert text.count("loaded ") == 2, text
 
 
+@pytest.mark.slow  # a whole notebook in a kernel of its own: 20 to 30 s
 def test_state_tracking(run_notebook):
   # The small configuration on any device (CI's; on a GPU its layer runs the Triton kernels
   # forward and backward): both trainings, M = 1 and M = 2, lower the loss, and the figure shows.
