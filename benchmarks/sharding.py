@@ -117,7 +117,7 @@ def model_step(jax, jnp, np, shp, mesh, device, backend, dtype):
   import flax.nnx as nnx
   sys.path.insert(0, REPO)
   from examples import sharded_lm as sl
-  from gdp_jax import example_model as em
+  from examples import tiny_lm as em
   model = em.TinyLM(vocab_size=shp["vocab"], hidden_size=shp["hidden"],
                     num_layers=shp["layers"], head_dim=shp["K"], expand_v=shp["expand_v"],
                     num_heads=shp["H"], num_v_heads=shp["HV"], num_householder=shp["M"],

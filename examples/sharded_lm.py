@@ -1,4 +1,4 @@
-"""The example model (`gdp_jax.example_model.TinyLM`) trained and served on a device mesh.
+"""The example model (`examples.tiny_lm.TinyLM`) trained and served on a device mesh.
 
 Sequences are split over the mesh axis "data" and value heads over "model". Each layer's Gated
 Delta Product op runs through `gdp_jax.sharding.sharded`: every device runs it (forward and
@@ -33,7 +33,7 @@ import jax.numpy as jnp
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 import gdp_jax
-from gdp_jax import example_model as em
+from examples import tiny_lm as em
 from gdp_jax import flax as gflax
 from gdp_jax.sharding import sharded
 
@@ -168,7 +168,7 @@ def cache_shardings(caches, mesh):
 
 
 class ShardedEngine(em.Engine):
-  """`gdp_jax.example_model.Engine` with its caches and steps split over `mesh`.
+  """`examples.tiny_lm.Engine` with its caches and steps split over `mesh`.
 
   Same arguments as `Engine` after `mesh` (a `make_mesh` mesh); num_slots must be a multiple of
   the size of "data" and the layers' HV of the size of "model". The steps trace with

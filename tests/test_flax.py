@@ -16,7 +16,7 @@ import pytest
 nnx = pytest.importorskip("flax.nnx", reason="gdp_jax.flax needs the optional dependency flax")
 
 from conftest import KERNEL_BACKEND  # noqa: E402
-from gdp_jax import example_model as em  # noqa: E402
+from examples import tiny_lm as em  # noqa: E402
 from gdp_jax import flax as gflax  # noqa: E402
 from helpers import RTOL, assert_close, bits_equal  # noqa: E402
 

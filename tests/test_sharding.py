@@ -407,7 +407,7 @@ def _child_main(backend):
   @functools.lru_cache(maxsize=None)
   def tiny_lm(interp):
     import flax.nnx as nnx
-    from gdp_jax import example_model as em
+    from examples import tiny_lm as em
     # head_dim 16: the kernels' dots need K >= 16; the reference cases take the example's 8.
     return em.TinyLM(vocab_size=32, hidden_size=32, num_layers=1 if interp else 2,
                      head_dim=16 if interp else 8, num_heads=2, num_v_heads=4,
@@ -467,7 +467,7 @@ def _child_main(backend):
 
   def drafter(model, tokens, n):
     # The bigram drafter, wrong on some tokens, so that drafts are both kept and rejected.
-    from gdp_jax import example_model as em
+    from examples import tiny_lm as em
     drafts = em.bigram_drafter(model, tokens, n)
     return jnp.where((drafts + tokens[:, None]) % 3 == 0, (drafts + 1) % model.vocab_size, drafts)
 
@@ -477,7 +477,7 @@ def _child_main(backend):
   @functools.lru_cache(maxsize=None)
   def unsharded_serving():
     """(requests, tokens, stats, caches after the run) of the engine on one device."""
-    from gdp_jax import example_model as em
+    from examples import tiny_lm as em
     shapes = [(5, 7), (9, 3), (3, 10), (12, 6), (7, 1), (4, 8)]  # (prompt length, new tokens)
     seeded = np.random.default_rng(1)  # requests whose drafts are both kept and rejected
     reqs = [em.Request(tuple(int(t) for t in seeded.integers(0, 32, L)), n) for L, n in shapes]
@@ -755,7 +755,7 @@ def test_example_model_over_two_gpus(shape):
 
   sys.path.insert(0, os.path.dirname(HERE))
   from examples import sharded_lm as sl
-  from gdp_jax import example_model as em
+  from examples import tiny_lm as em
   from helpers import assert_close
 
   gpus = [d for d in jax.devices() if d.platform == "gpu"]
