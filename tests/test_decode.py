@@ -517,6 +517,7 @@ def test_prefill_then_decode_gpu(dtype):
                             backend="triton")
 
 
+@pytest.mark.slow
 @settings(max_examples=8, deadline=None, derandomize=True,
           suppress_health_check=[HealthCheck.too_slow])
 @given(N=st.integers(1, 4), D=st.integers(1, 4), M=st.integers(1, 3), H=st.sampled_from([1, 2]),

@@ -229,6 +229,7 @@ def test_non_differentiable_arguments_say_what_is(what):
     jax.grad(loss)(xk["q"])
 
 
+@pytest.mark.slow
 def test_reference_gradient_matches_finite_differences():
   """The oracle's own gradient: central differences of the float64 reference on a tiny case."""
   c = Case(T=5, HV=2, K=4, V=3, M=2, l2norm=True)

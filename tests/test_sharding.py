@@ -20,6 +20,9 @@ import time
 
 import pytest
 
+# Every case runs in child processes with fake devices (minutes of CPU): the full suite only.
+pytestmark = pytest.mark.slow
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 COLLECTIVES = ("all-gather", "all-to-all", "collective-permute", "all-reduce", "reduce-scatter")
 
