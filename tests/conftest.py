@@ -74,7 +74,9 @@ def pytest_testnodedown(node, error):
 
 def pytest_terminal_summary(terminalreporter):
   count = _GPU_DESELECTED["count"]
-  if count:
+  # Only when the marker expression left them out: under `-m gpu -k ...` the GPU tests that -k
+  # deselects are no news.
+  if count and "not gpu" in (terminalreporter.config.option.markexpr or ""):
     terminalreporter.write_line(
         f"{count} GPU test{'s' if count != 1 else ''} deselected (marker 'gpu'; run them with "
         "`pytest -m gpu` on a machine with an NVIDIA GPU)")
