@@ -6,7 +6,7 @@ kernels (the interpreter on a CPU, jax_triton on a GPU) is compared by relative 
 allocates every kernel output as NaN, so a gradient element no kernel wrote fails the
 all-finite check; rows past cu_seqlens[N] must come back exactly zero.
 """
-import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -16,7 +16,7 @@ import pytest
 import gdp_jax
 from conftest import KERNEL_BACKEND
 from gdp_jax import reference
-from helpers import bits_equal, err_ratio
+from helpers import PrefillCase, bits_equal, err_ratio
 
 pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered in exp2:RuntimeWarning")
 
@@ -29,31 +29,8 @@ NAMES = ("q", "k", "v", "g", "beta", "initial_state")
 GRAD_RTOL = {"float32": 1e-5, "bfloat16": 3e-2}
 
 
-@dataclasses.dataclass(frozen=True)
-class Case:
-  B: int = 1
-  T: int = 70
-  H: int = 1
-  HV: int = 2
-  K: int = 16
-  V: int = 16
-  M: int = 2
-  dtype: str = "float32"
-  use_g: bool = True
-  use_beta: bool = True
-  l2norm: bool = False
-  init: bool = True
-  final: bool = True
-  varlen: tuple = ()
-
-  @property
-  def id(self):
-    s = f"B{self.B}-T{self.T}-H{self.H}-HV{self.HV}-K{self.K}-V{self.V}-M{self.M}-{self.dtype}"
-    s += ("" if self.use_g else "-nog") + ("" if self.use_beta else "-nobeta")
-    s += ("-l2" if self.l2norm else "") + ("" if self.init else "-noh0")
-    s += "" if self.final else "-nofinal"
-    s += f"-varlen{'_'.join(map(str, self.varlen))}" if self.varlen else ""
-    return s
+# The prefill's case record, with an initial state and 70 tokens unless a case says otherwise.
+Case = functools.partial(PrefillCase, T=70, init=True)
 
 
 CASES = [
@@ -81,7 +58,7 @@ def n_seqs(c):
   return len(c.varlen) if c.varlen else c.B
 
 
-def make_inputs(c: Case, seed):
+def make_inputs(c: PrefillCase, seed):
   """(inputs by name in float64, cotangents (do, dht) in float64, keyword arguments)."""
   rng = np.random.default_rng(seed)
   N = n_seqs(c)
@@ -130,7 +107,7 @@ def grads(x, cts, kw, backend):
   return jax.grad(_loss(gdp_jax.chunk_gated_delta_product, cts, kw, backend=backend))(x)
 
 
-def check_grads(c: Case, backend, seed=0):
+def check_grads(c: PrefillCase, backend, seed=0):
   x, cts, kw = make_inputs(c, seed)
   xk = _cast(c, x)
   out = grads(xk, cts, kw, backend)
