@@ -24,6 +24,24 @@ import numpy as np
 from gdp_jax import reference
 
 
+def decode_stream(rng, steps, N, D, H, HV, K, V, M):
+  """`steps` decode steps of N requests with D tokens each, bf16 q, k, v and the layers' gating:
+  FLA's initialisation A ~ U(0, 16), dt log-uniform in [1e-3, 1e-1], dt_bias = softplus^-1(dt),
+  g = decay_gate(a), beta = sigmoid(b), a and b standard normal."""
+  A_log = jnp.asarray(np.log(rng.uniform(0, 16, HV)), jnp.float32)
+  dt = np.exp(rng.uniform(np.log(1e-3), np.log(1e-1), HV))
+  dt_bias = jnp.asarray(dt + np.log(-np.expm1(-dt)), jnp.float32)
+  return dict(
+      q=jnp.asarray(rng.standard_normal((steps, N, D, H, K)), jnp.bfloat16),
+      k=jnp.asarray(rng.standard_normal((steps, N, D * M, H, K)), jnp.bfloat16),
+      v=jnp.asarray(rng.standard_normal((steps, N, D * M, HV, V)), jnp.bfloat16),
+      g=reference.decay_gate(jnp.asarray(rng.standard_normal((steps, N, D, HV)), jnp.float32),
+                             A_log, dt_bias),
+      beta=reference.beta_gate(jnp.asarray(rng.standard_normal((steps, N, D * M, HV)),
+                                           jnp.float32)),
+  )
+
+
 def main():
   p = argparse.ArgumentParser()
   p.add_argument("--steps", type=int, default=1000)
@@ -37,18 +55,7 @@ def main():
   a = p.parse_args()
   N, H, HV, K, V, M, steps = a.N, a.H, a.HV, a.K, a.V, a.M, a.steps
   rng = np.random.default_rng(0)
-  # FLA's initialisation: A ~ U(0, 16), dt log-uniform in [1e-3, 1e-1], dt_bias = softplus^-1(dt).
-  A_log = jnp.asarray(np.log(rng.uniform(0, 16, HV)), jnp.float32)
-  dt = np.exp(rng.uniform(np.log(1e-3), np.log(1e-1), HV))
-  dt_bias = jnp.asarray(dt + np.log(-np.expm1(-dt)), jnp.float32)
-  xs = dict(
-      q=jnp.asarray(rng.standard_normal((steps, N, 1, H, K)), jnp.bfloat16),
-      k=jnp.asarray(rng.standard_normal((steps, N, M, H, K)), jnp.bfloat16),
-      v=jnp.asarray(rng.standard_normal((steps, N, M, HV, V)), jnp.bfloat16),
-      g=reference.decay_gate(jnp.asarray(rng.standard_normal((steps, N, 1, HV)), jnp.float32),
-                             A_log, dt_bias),
-      beta=reference.beta_gate(jnp.asarray(rng.standard_normal((steps, N, M, HV)), jnp.float32)),
-  )
+  xs = decode_stream(rng, steps, N, 1, H, HV, K, V, M)
   slots = jnp.arange(N, dtype=jnp.int32)
 
   def run(cache_dtype):

@@ -24,6 +24,9 @@ import numpy as np
 
 from gdp_jax import reference
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bf16_cache_error import decode_stream  # noqa: E402  (the same stream and gating)
+
 
 def main():
   p = argparse.ArgumentParser()
@@ -39,21 +42,11 @@ def main():
   a = p.parse_args()
   N, H, HV, K, V, M, D, steps = a.N, a.H, a.HV, a.K, a.V, a.M, a.D, a.steps
   rng = np.random.default_rng(0)
-  A_log = jnp.asarray(np.log(rng.uniform(0, 16, HV)), jnp.float32)
-  dt = np.exp(rng.uniform(np.log(1e-3), np.log(1e-1), HV))
-  dt_bias = jnp.asarray(dt + np.log(-np.expm1(-dt)), jnp.float32)
-  xs = dict(
-      q=jnp.asarray(rng.standard_normal((steps, N, D, H, K)), jnp.bfloat16),
-      k=jnp.asarray(rng.standard_normal((steps, N, D * M, H, K)), jnp.bfloat16),
-      v=jnp.asarray(rng.standard_normal((steps, N, D * M, HV, V)), jnp.bfloat16),
-      g=reference.decay_gate(jnp.asarray(rng.standard_normal((steps, N, D, HV)), jnp.float32),
-                             A_log, dt_bias),
-      beta=reference.beta_gate(jnp.asarray(rng.standard_normal((steps, N, D * M, HV)),
-                                            jnp.float32)),
+  xs = decode_stream(rng, steps, N, D, H, HV, K, V, M)
+  xs.update(
       # The counts verification gave the previous step (0 before the first: from the cache).
       n=jnp.asarray(np.concatenate([np.zeros((1, N)), rng.integers(1, D + 1, (steps - 1, N))]),
-                    jnp.int32),
-  )
+                    jnp.int32))
   slots = jnp.arange(N, dtype=jnp.int32)
 
   def run(snap_dtype):
@@ -90,7 +83,6 @@ def main():
                state=max(rel(s32[t], s16[t]) for t in range(steps)))
   print(f"worst over all {steps} steps: o {worst['o']:.2e}, state {worst['state']:.2e}")
   if a.out:
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     import common  # noqa: E402  (only for the run's meta: date, commit, command, versions)
     meta = dict(common.run_meta(common.versions()),
                 title=f"bfloat16 snapshots against float32 over {steps} speculative steps of "
