@@ -212,11 +212,15 @@ def check_gdp_decode(N, D, M, H, HV, K, V, S, dtype, backend):
     assert bits_equal(np.asarray(rolled)[~live], np.asarray(a["state"])[~live])
 
 
+def _case_id(c):
+  return "N{}-D{}-M{}-H{}-HV{}-K{}-V{}-S{}-{}".format(*c)
+
+
 GDP_CASES = [(3, 1, 2, 1, 2, 16, 8, 5, "float32"), (4, 2, 3, 2, 4, 16, 8, 6, "float32"),
              (3, 4, 1, 1, 1, 8, 8, 3, "float32"), (2, 3, 2, 1, 2, 16, 16, 4, "bfloat16")]
 
 
-@pytest.mark.parametrize("case", GDP_CASES, ids=lambda c: "N{}-D{}-M{}-H{}-HV{}-K{}-V{}-S{}-{}".format(*c))
+@pytest.mark.parametrize("case", GDP_CASES, ids=_case_id)
 def test_gdp_decode_and_accept(case):
   check_gdp_decode(*case, backend=KERNEL_BACKEND)
 
@@ -224,7 +228,7 @@ def test_gdp_decode_and_accept(case):
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", [(64, 4, 2, 16, 32, 128, 128, 256, "float32"),
                                   (16, 2, 2, 6, 6, 256, 512, 20, "bfloat16")],
-                         ids=lambda c: "N{}-D{}-M{}-H{}-HV{}-K{}-V{}-S{}-{}".format(*c))
+                         ids=_case_id)
 def test_gdp_decode_and_accept_gpu(case):
   check_gdp_decode(*case, backend="triton")
 
@@ -285,7 +289,7 @@ def check_speculative(N, D, M, H, HV, K, V, S, dtype, backend, seed=0):
 SPEC_CASES = [(3, 3, 2, 1, 2, 8, 8, 5, "float32"), (4, 2, 1, 2, 4, 16, 8, 6, "bfloat16")]
 
 
-@pytest.mark.parametrize("case", SPEC_CASES, ids=lambda c: "N{}-D{}-M{}-H{}-HV{}-K{}-V{}-S{}-{}".format(*c))
+@pytest.mark.parametrize("case", SPEC_CASES, ids=_case_id)
 def test_speculative_step_rolls_back_to_every_count(case):
   check_speculative(*case, backend=KERNEL_BACKEND)
 
@@ -293,7 +297,7 @@ def test_speculative_step_rolls_back_to_every_count(case):
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", [(64, 4, 2, 16, 32, 128, 128, 80, "float32"),
                                   (16, 3, 3, 6, 6, 256, 512, 20, "bfloat16")],
-                         ids=lambda c: "N{}-D{}-M{}-H{}-HV{}-K{}-V{}-S{}-{}".format(*c))
+                         ids=_case_id)
 def test_speculative_step_rolls_back_to_every_count_gpu(case):
   check_speculative(*case, backend="triton", seed=3)
 
