@@ -51,9 +51,13 @@ class BwdConfig(NamedTuple):
   BV 64 against 527 at 32 and 982 at 16 (row 0); at K = 256, 1724 us at BV 32 against 2594 at
   16. chunk_o_bwd, once it read each state tile once (h and dS in bf16, <S, dS> as a product):
   399 us at 4 warps against 632 at 8 (row 0; before that change 8 warps won, 713 against 806).
-  chunk_wy_bwd: 356 us at 4 warps, 597 at 8.
+  chunk_wy_bwd: 356 us at 4 warps, 597 at 8. With few programs (a long sequence, few heads: fewer
+  than h_min_programs at h_bv, the forward scan's rule) the sequential chain sets the pace and
+  narrower blocks win: at B=1 T=8192 H=16 (32 programs at BV 64) 1062 us at 64, 862 at 32, 797 at 16.
   """
   h_bv: int = 64          # K <= 128
+  h_bv_narrow: int = 16   # K <= 128 and fewer than h_min_programs programs at h_bv
+  h_min_programs: int = 66
   h_bv_big_k: int = 32    # K > 128 (four 64-row tiles of dS)
   h_warps: int = 4
   o_warps: int = 4
@@ -129,6 +133,14 @@ def _l2norm_bwd(x, dy):
   return r * (dy - y * jnp.sum(y * dy, -1, keepdims=True))
 
 
+def _h_block_v(cfg: BwdConfig, N: int, HV: int, K: int, V: int) -> int:
+  if K > 128:
+    return cfg.h_bv_big_k
+  if N * HV * -(-V // cfg.h_bv) < cfg.h_min_programs:
+    return cfg.h_bv_narrow
+  return cfg.h_bv
+
+
 def _backward(q, k, v, g, beta, initial_state, cu_seqlens, res, do, dht, static):
   """(dq, dk, dv, dg, dbeta, dh0), each in its input's dtype (None for an absent input)."""
   Ai, gx, rk, h_x, v_new = res
@@ -162,7 +174,7 @@ def _backward(q, k, v, g, beta, initial_state, cu_seqlens, res, do, dht, static)
   f32 = jnp.float32
   use_g = gx is not None
   cfg = static.config
-  bv = min(cfg.h_bv if K <= 128 else cfg.h_bv_big_k, max(16, 1 << (V - 1).bit_length()))
+  bv = min(_h_block_v(cfg, N, HV, K, V), max(16, 1 << (V - 1).bit_length()))
   (dv_local,) = _launch.call(
       "chunk_dv_bwd.chunk_dv_local_kernel", qn, kn, do_t, gx if use_g else ph(), cu, desc_x,
       float(static.scale),
