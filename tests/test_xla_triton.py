@@ -7,7 +7,8 @@ backend would launch the same kernel), its aliases, and a TTIR that pip's triton
 kernel takes pointers only (the scalars compiled in), and that the Triton dialect jaxlib ships
 (the one its XLA compiles with) parses too. These need no GPU: on the H200 they run with its
 versions by `pytest tests/test_xla_triton.py -m "not gpu"`. With `-m gpu` every workload runs
-under both launch backends and must give the same bits.
+under both launch backends and must agree within rounding (XLA's Triton is another compiler:
+not the same bits).
 
 The whole GPU suite runs under this backend with `pytest -m gpu --launch=xla_triton`
 (conftest.py).
@@ -317,31 +318,39 @@ def test_xla_triton_needs_a_gpu():
 
 
 # -------------------------------------------------------------------------------------------------
-# GPU: the same bits from both launch backends
+# GPU: the same results from both launch backends
+
+# XLA compiles the TTIR with the Triton it bundles, whose instruction order differs from pip's:
+# measured on the H200 the outputs differ by 2e-8 to 3e-7 (float32) and 7e-6 to 9e-5 (bfloat16,
+# a few elements one ulp apart) in relative rms error. A miscompile or a wrong launch shows as
+# an error of order 1.
+SAME_RTOL = {np.dtype(np.float32): 1e-5}
+SAME_RTOL_16BIT = 2e-3
+
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", ["decode", "fused_packed", "prepare", "prefill_cache",
                                   "prefill_k256", "prefill_grad"])
-def test_same_bits_as_jax_triton(name, request):
+def test_same_results_as_jax_triton(name, request):
   if request.config.getoption("--launch") == "xla_triton":
     pytest.skip("--launch=xla_triton routes both sides through XLA")
   import jax
-  from helpers import bits_equal, err_ratio
+  from helpers import err_ratio
   inputs, fn = workloads()[name]
   ours = jax.jit(lambda *x: fn("xla_triton", *x))(*inputs)
   theirs = jax.jit(lambda *x: fn("triton", *x))(*inputs)
   ours, theirs = jax.tree.leaves(ours), jax.tree.leaves(theirs)
   assert len(ours) == len(theirs)
   for i, (a, b) in enumerate(zip(ours, theirs)):
+    assert a.dtype == b.dtype and a.shape == b.shape, f"output {i}"
+    tol = SAME_RTOL.get(np.dtype(a.dtype), SAME_RTOL_16BIT)
     a, b = np.asarray(a.astype(np.float32)), np.asarray(b.astype(np.float32))
-    # Only the decode snapshots keep NaN (slots no request addressed).
+    # Only the decode snapshots keep NaN (slots no request addressed), in the same places.
     assert np.isfinite(b).all() or name == "decode", f"output {i}: non-finite values"
-    # Rounding (another instruction order in XLA's Triton) shows as a relative error near the
-    # dtype's ulp; a miscompile as one of order 1.
-    fin = np.isfinite(a) & np.isfinite(b)
-    assert bits_equal(a, b), (
-        f"output {i} {a.shape}: {int(np.sum(a.view(np.uint32) != b.view(np.uint32)))} elements "
-        f"differ; relative error {err_ratio(b[fin], a[fin]):.2e}")
+    np.testing.assert_array_equal(np.isfinite(a), np.isfinite(b))
+    fin = np.isfinite(a)
+    e = err_ratio(b[fin], a[fin])
+    assert e < tol, f"output {i} {a.shape}: relative error {e:.2e} >= {tol:.0e}"
 
 
 if __name__ == "__main__":
