@@ -430,7 +430,9 @@ def render_file(path: str) -> list[str]:
   for k, v in extras.items():
     if k in meta or k in versions:  # a copy of a meta field, kept for older readers
       continue
-    if isinstance(v, dict):
+    if k == "figure":   # a PNG beside the JSON file
+      out.append(f"- figure: ![{v}]({v})")
+    elif isinstance(v, dict):
       out.append(f"- {k}: " + ", ".join(f"{a} {fmt(b)}" for a, b in v.items()))
     else:
       out.append(f"- {k}: {fmt(v)}")
