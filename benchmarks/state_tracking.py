@@ -41,7 +41,7 @@ def main():
   wall = time.perf_counter() - t0
 
   import numpy as np
-  L, E = ns["CFG"]["train_len"], ns["CFG"]["eval_len"]
+  L = ns["CFG"]["train_len"]
   x, y = ns["x"], ns["y"]   # the evaluation words the notebook's accuracy cell drew
   rows = []
   for M, r in ns["results"].items():
