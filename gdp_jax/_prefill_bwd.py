@@ -18,10 +18,15 @@ kernels read both from the token stream):
     reverse    dS from the final-state cotangent back to dh0; per chunk dh and dV'  chunk_h_bwd
     per chunk  dq~, dk (output, state update), dW, the decay's per-row part         chunk_o_bwd
     per chunk  the WY backward: dk, dv, dbeta; the decay's reverse cumulative sum   chunk_wy_bwd
+    per rows   dq, dk: sum over value heads, L2 norm backward, zero tail, cast     qk_bwd
 
-then sums dq and dk over the value heads of each key head (dq exists on each token's last copy
-only, where q~ sits), keeps dg from each token's first copy, and applies the L2 norm's
-backward, dx = (dy - y <y, dy>) / |x|_eps. The chunk states are saved by the forward rather
+The last is one pass over each of the float32 [rows, HV, K] buffers of dq (token stream: dq
+exists on each token's last copy only, where q~ sits) and dk (expanded stream): it sums the
+value heads of each key head, applies the L2 norm's backward dx = (dy - y <y, dy>) / |x|_eps,
+writes rows past cu_seqlens[N] as zeros and stores the gradient in its input's dtype. What stays
+in XLA: the normalised q and k rows the kernels take (a copy each, input dtype), dg kept from each
+token's first copy, and with cu_seqlens selects that zero the rows of dv, dbeta and dg past
+cu_seqlens[N]. The chunk states are saved by the forward rather
 than recomputed (FLA and jax-linear-attention recompute them with a second scan): a checkpoint
 per expanded chunk costs the forward's scan little, while the second scan is a sequential walk
 of every chunk (docs/performance.md).
@@ -62,6 +67,11 @@ class BwdConfig(NamedTuple):
   h_warps: int = 4
   o_warps: int = 4
   wy_warps: int = 4
+  # qk_bwd, a pass bound by memory: BR rows times BK (K rounded up to a power of two) =
+  # qk_block elements per program, 32 float32 values per thread per tile at 4 warps, and
+  # thousands of programs at training sizes (8192 for dk at B=4 T=2048 H=16 M=2).
+  qk_block: int = 4096
+  qk_warps: int = 4
 
 
 class _Static(NamedTuple):
@@ -127,10 +137,20 @@ def _l2norm(x):
   return x * r, r
 
 
-def _l2norm_bwd(x, dy):
-  """The cotangent of the L2 norm's input x from that of its output, dy (float32)."""
-  y, r = _l2norm(x)
-  return r * (dy - y * jnp.sum(y * dy, -1, keepdims=True))
+def _qk_bwd(dy_v, x, cu, N, M, H, out_dtype, backend, cfg):
+  """dq or dk [rows, H, K] in out_dtype from the per-value-head float32 cotangent dy_v
+  [rows, HV, K] (kernels/qk_bwd.py): dy, the float32 sum over each key head's value heads; with
+  x (the raw rows [rows, H, K]; None: no L2 norm) the norm's backward r (dy - y <y, dy>),
+  y = x r, r = 1 / sqrt(|x|^2 + 1e-6); rows at or past cu[N] * M zero (M rows per token)."""
+  rows, HV, K = dy_v.shape
+  bk = 1 << (K - 1).bit_length()
+  br = max(1, cfg.qk_block // bk)
+  (dx,) = _launch.call(
+      "qk_bwd.qk_bwd_kernel", dy_v, x if x is not None else _launch.placeholder(), cu, N, rows,
+      grid=(-(-rows // br), H), out_shape=[jax.ShapeDtypeStruct((rows, H, K), out_dtype)],
+      backend=backend, num_warps=cfg.qk_warps, num_stages=1,
+      H=H, HV=HV, K=K, M=M, BR=br, BK=bk, USE_L2NORM=x is not None)
+  return dx
 
 
 def _h_block_v(cfg: BwdConfig, N: int, HV: int, K: int, V: int) -> int:
@@ -148,7 +168,6 @@ def _backward(q, k, v, g, beta, initial_state, cu_seqlens, res, do, dht, static)
   backend = static.backend
   B, T, H, K = q.shape
   HV, V = v.shape[2], v.shape[3]
-  G = HV // H
   dtype = k.dtype
   prec = pk._dot_precision(dtype)
   TT, R = B * T, B * T * M
@@ -221,12 +240,11 @@ def _backward(q, k, v, g, beta, initial_state, cu_seqlens, res, do, dht, static)
       H=H, HV=HV, K=K, V=V, M=M, BT=BT, BK=_BK, BV=_BV, NK=nk, USE_G=use_g,
       DOT_PRECISION=prec)
 
-  # Per key head: the value heads of a group share q and k.
-  dq = dq_v.reshape(TT, H, G, K).sum(2)
-  dk = dk_x.reshape(R, H, G, K).sum(2)
-  if static.use_qk_l2norm_in_kernel:
-    dq = _l2norm_bwd(qp, dq)
-    dk = _l2norm_bwd(kp, dk)
+  # The group sums over value heads, the L2 norm's backward, the zero rows past cu_seqlens[N]
+  # and the cast, in one pass over each float32 buffer.
+  l2 = static.use_qk_l2norm_in_kernel
+  dq = _qk_bwd(dq_v, qp if l2 else None, cu, N, 1, H, q.dtype, backend, cfg)
+  dk = _qk_bwd(dk_x, kp if l2 else None, cu, N, M, H, k.dtype, backend, cfg)
   dg = dg_x.reshape(TT, M, HV)[:, 0] if use_g else None
 
   # Rows past cu_seqlens[N] belong to no sequence and no kernel writes them: exactly zero (a
@@ -234,14 +252,11 @@ def _backward(q, k, v, g, beta, initial_state, cu_seqlens, res, do, dht, static)
   if cu_seqlens is not None:
     tok = jnp.arange(TT) < cu[N]
     row = jnp.arange(R) < cu[N] * M
-    dq = jnp.where(tok[:, None, None], dq, 0)
     dg = jnp.where(tok[:, None], dg, 0) if use_g else None
-    dk = jnp.where(row[:, None, None], dk, 0)
     dv_x = jnp.where(row[:, None, None], dv_x, 0)
     dbeta_x = jnp.where(row[:, None], dbeta_x, 0)
 
-  return (dq.reshape(q.shape).astype(q.dtype),
-          dk.reshape(k.shape).astype(k.dtype),
+  return (dq.reshape(q.shape), dk.reshape(k.shape),
           dv_x.reshape(v.shape).astype(v.dtype),
           dg.reshape(g.shape).astype(g.dtype) if use_g else None,
           dbeta_x.reshape(beta.shape).astype(beta.dtype) if beta is not None else None,

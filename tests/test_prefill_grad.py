@@ -4,7 +4,8 @@ Every input's gradient (q, k, v, g, beta, initial_state, with a final-state cota
 kernels (the interpreter on a CPU, jax_triton on a GPU) is compared by relative error with
 `jax.grad` of the float64 `lax.scan` reference on the same rounded inputs. The interpreter
 allocates every kernel output as NaN, so a gradient element no kernel wrote fails the
-all-finite check; rows past cu_seqlens[N] must come back exactly zero.
+all-finite check; rows past cu_seqlens[N] must come back exactly zero. The backward's last
+kernel, qk_bwd, is also checked alone against its float64 formula.
 """
 import functools
 
@@ -16,7 +17,7 @@ import pytest
 import gdp_jax
 from conftest import KERNEL_BACKEND
 from gdp_jax import _prefill_bwd, reference
-from helpers import PrefillCase, bits_equal, err_ratio
+from helpers import RTOL, PrefillCase, assert_close, bits_equal, err_ratio
 
 pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered in exp2:RuntimeWarning")
 
@@ -178,6 +179,59 @@ def test_grads_deterministic_gpu(dtype):
   a, b = f(xk), f(xk)
   for n in x:
     assert bits_equal(a[n], b[n]), f"d{n} differs between two identical runs"
+
+
+# The tail of the backward (kernels/qk_bwd.py): (G, K, L2 norm, dtype of x and of the result).
+def _qk_case(G, K, l2norm, dtype):
+  return pytest.param(G, K, l2norm, dtype, id=f"G{G}-K{K}-{'l2norm' if l2norm else 'raw'}-{dtype}")
+
+
+QK_CASES = [_qk_case(G, K, l2, "float32" if K == 64 else "bfloat16")
+            for G in (1, 2) for K in (64, 100) for l2 in (False, True)]
+
+
+def check_qk_bwd(G, K, l2norm, dtype, backend):
+  """Against the float64 formula on the same rounded inputs: every row below cu[N] * M close
+  and finite, rows past it exactly zero though their float32 input is NaN (as unwritten rows of
+  a kernel output may be on the GPU). 70 rows: a partial last block at either block height."""
+  rng = np.random.default_rng(G * 1000 + K + l2norm)
+  H, M, rows = 2, 2, 70
+  cu = np.array([0, 12, 31], np.int32)                # the limit: row 62 of 70
+  limit = cu[-1] * M
+  dy_v = rng.standard_normal((rows, H * G, K)).astype(np.float32)
+  dy_v[limit:] = np.nan
+  x = jnp.asarray(rng.standard_normal((rows, H, K)) * rng.uniform(0.3, 3.0, (rows, H, 1)),
+                  jnp.dtype(dtype))
+  out = _prefill_bwd._qk_bwd(jnp.asarray(dy_v), x if l2norm else None, jnp.asarray(cu),
+                             len(cu) - 1, M, H, jnp.dtype(dtype), backend,
+                             _prefill_bwd.BwdConfig())
+  assert out.dtype == jnp.dtype(dtype) and out.shape == (rows, H, K), f"{out.dtype}{out.shape}"
+  dy = dy_v[:limit].astype(np.float64).reshape(limit, H, G, K).sum(2)
+  want = dy
+  if l2norm:
+    xf = np.asarray(x[:limit], np.float64)
+    r = 1 / np.sqrt(np.sum(xf * xf, -1, keepdims=True) + 1e-6)
+    y = xf * r
+    want = r * (dy - y * np.sum(y * dy, -1, keepdims=True))
+  got = np.asarray(out, np.float64)
+  assert np.all(np.isfinite(got)), f"{np.sum(~np.isfinite(got))} non-finite values"
+  assert_close("dx", want, got[:limit], RTOL[dtype])
+  # Row by row too: one wrong key head or row block would hide in the rms over all of them.
+  row_err = (np.linalg.norm((got[:limit] - want).reshape(limit * H, K), axis=-1)
+             / np.linalg.norm(want.reshape(limit * H, K), axis=-1))
+  assert np.max(row_err) < RTOL[dtype], f"worst row: ratio {np.max(row_err):.3e}"
+  assert np.all(got[limit:] == 0), "rows past cu_seqlens[N] * M"
+
+
+@pytest.mark.parametrize("G,K,l2norm,dtype", QK_CASES)
+def test_qk_bwd(G, K, l2norm, dtype):
+  check_qk_bwd(G, K, l2norm, dtype, KERNEL_BACKEND)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("G,K,l2norm,dtype", QK_CASES + [_qk_case(4, 256, True, "bfloat16")])
+def test_qk_bwd_gpu(G, K, l2norm, dtype):
+  check_qk_bwd(G, K, l2norm, dtype, "triton")
 
 
 def test_value_and_grad_and_vjp_under_jit_with_traced_cu_seqlens():
