@@ -1,4 +1,4 @@
-"""Timing, bookkeeping and environment helpers shared by benchmarks/decode.py and prefill.py.
+"""Timing, bookkeeping and environment helpers shared by the benchmarks in benchmarks/.
 
 The benchmarks run JAX (our kernels, through jax_triton) and torch (fla-core, the baseline) in
 one process on one GPU, so the environment has to be set before either is imported: see
@@ -471,6 +471,61 @@ def copy_bandwidth_torch(nbytes: int) -> dict:
 
 
 # --------------------------------------------------------------------------------------------
+# Packed rows and the jax-linear-attention baseline (shared by train.py and prefill.py)
+# --------------------------------------------------------------------------------------------
+
+
+def row_seed(s: dict) -> int:
+  """The seed of a row's inputs and of its packed lengths (`N` sequences when "N" is given)."""
+  return s["B"] * 7 + s["T"] + s["M"] + 100 * s.get("N", 0)
+
+
+def seq_lengths(T: int, N: int, seed: int) -> list[int]:
+  """N random positive lengths summing to T (N-1 distinct cut points in 1..T-1)."""
+  import numpy as np
+  cuts = np.sort(np.random.default_rng(seed).choice(np.arange(1, T), N - 1, replace=False))
+  return np.diff(np.concatenate([[0], cuts, [T]])).astype(int).tolist()
+
+
+def packing(lens: list[int]) -> dict:
+  """Both packings of sequences of lengths `lens` (numpy int32): cu_seqlens [N+1] for ours and
+  fla-core, segment_ids [1, T] for jax-linear-attention (its Mosaic path refuses cu_seqlens)."""
+  import numpy as np
+  return {"cu_seqlens": np.concatenate([[0], np.cumsum(lens)]).astype(np.int32),
+          "segment_ids": np.repeat(np.arange(len(lens), dtype=np.int32), lens)[None]}
+
+
+def jla_gated_delta_product(kernels: bool = True):
+  """jax-linear-attention's Gated DeltaProduct: its Mosaic GPU kernels (Hopper only), or, with
+  kernels=False, its jnp chunked reference, which takes the very same arguments: the CPU smoke
+  cannot run the kernels but checks the call's layout against ours. Raises ImportError when jla
+  is not installed."""
+  if kernels:
+    from jla.ops.mosaic_gpu.gated_delta_product import gated_delta_product
+  else:
+    from jla.ops.chunked import gated_delta_product
+  return gated_delta_product
+
+
+def jla_call(fn, q, k, v, g, beta, M, segment_ids=None, output_final_state=False):
+  """`fn` (from jla_gated_delta_product) computing what our rows compute.
+
+  FLA's layout: q [B, T, H, K], k [B, T*M, H, K], v [B, T*M, H, V], g [B, T, H] (natural log,
+  required), beta [B, T*M, H]; q and k L2-normalised inside the op; scale None = K**-0.5;
+  packed sequences as segment_ids [B, T]. Its final state is [B, H, K, V]: with segment_ids, the
+  state of each row's last sequence.
+  """
+  return fn(q, k, v, g, beta, num_householder=M, use_qk_l2norm=True, segment_ids=segment_ids,
+            output_final_state=output_final_state)
+
+
+def jla_refused(e: BaseException) -> bool:
+  """jla's Mosaic path validates its inputs first and raises a ValueError naming what it does
+  not support (K = 256, no Hopper GPU): a refusal, not a failure of the benchmark."""
+  return isinstance(e, ValueError) and "mosaic_gpu gated_delta_product" in str(e)
+
+
+# --------------------------------------------------------------------------------------------
 # Comparison and conversion
 # --------------------------------------------------------------------------------------------
 
@@ -651,8 +706,9 @@ def summary(d: str) -> None:
           f" s; reference scan {fmt(m.get('ref_scan_ms'), '.1f')} ms"
           f" ({fmt(m.get('ref_over_ours'), '.0f')}x ours), chunked reference"
           f" {fmt(m.get('ref_chunked_ms'), '.2f')} ms")
-    print_table("prefill (ms)", pre["sections"].get("prefill", []), PREFILL_SUMMARY_COLS,
-                note_chars=160)
+    rows = [dict(r, jla_ms="refuses") if "jla_refused" in r else r
+            for r in pre["sections"].get("prefill", [])]
+    print_table("prefill (ms)", rows, PREFILL_SUMMARY_COLS, note_chars=160)
 
 
 DECODE_SUMMARY_COLS = [
@@ -677,8 +733,10 @@ SWEEP_BEST_COLS = [
 ]
 PREFILL_SUMMARY_COLS = [
     ("B", "B", "d"), ("T", "T", "d"), ("H", "H", "d"), ("K", "K", "d"), ("V", "V", "d"),
-    ("M", "M", "d"), ("ours_ms", "ours", ".3f"), ("fla_ms", "fla", ".3f"),
-    ("ours_over_fla", "ours/fla", ".2f"), ("fla_graph_ms", "fla_graph", ".3f"),
+    ("M", "M", "d"), ("N", "N", "d"), ("ours_ms", "ours", ".3f"), ("jla_ms", "jla", ".3f"),
+    ("ours_over_jla", "ours/jla", ".2f"), ("jla_err", "err_jla_o", ".1e"),
+    ("fla_ms", "fla", ".3f"), ("ours_over_fla", "ours/fla", ".2f"),
+    ("fla_graph_ms", "fla_graph", ".3f"),
     ("ours_over_fla_graph", "ours/graph", ".2f"), ("flop_floor_ms", "flop_fl", ".3f"),
     ("byte_floor_ms", "byte_fl", ".3f"), ("ours_over_floor", "/floor", ".1f"),
     ("err_fla_o", "err_fla_o", ".1e"), ("err_fla_state", "err_fla_h", ".1e"),

@@ -116,8 +116,12 @@ def ratio(a, b):
 def prefill_section(rows, meta) -> list[str]:
   out = table(rows, [
       ("B", "B", "d"), ("T", "T", "d"), ("H", "H", "d"), ("K", "K", "d"), ("V", "V", "d"),
-      ("M", "M", "d"),
+      ("M", "M", "d"), ("packed sequences", "N", "d"),
       ("ours ms", "ours_ms", ".3f"),
+      ("jla ms", lambda r: "refuses" if "jla_refused" in r else r.get("jla_ms"), ".3f"),
+      ("ours / jla", "ours_over_jla", ".2f"),
+      ("err jla vs ours o", "jla_err", ".1e"),
+      ("err jla vs ours state", "jla_err_state", ".1e"),
       ("fla-core graph ms", "fla_graph_ms", ".3f"),
       ("ours / fla-core graph", "ours_over_fla_graph", ".2f"),
       ("fla-core do_bench ms", "fla_ms", ".3f"),
@@ -134,6 +138,14 @@ def prefill_section(rows, meta) -> list[str]:
   has = lambda key: any(r.get(key) is not None for r in rows)
   notes = ["`ours ms` is one jitted call (bf16 inputs, keys and queries normalised in the "
            "kernels, final state returned)"]
+  if has("jla_ms") or has("jla_refused"):
+    notes.append("`jla ms` is jax-linear-attention 0.1.0's Mosaic GPU forward, jitted in the same "
+                 "process on the same inputs (\"refuses\" where it rejects the shape: K and V "
+                 "must be 64 or 128); its errors are against ours (packed rows: the last "
+                 "sequence's state)")
+  if has("N"):
+    notes.append("`packed sequences` rows hold N sequences of T tokens in all (cu_seqlens for "
+                 "ours and fla-core, segment_ids for jla)")
   if has("fla_graph_ms"):
     notes.append("`fla-core graph ms` is fla-core's chunked call replayed from a CUDA graph (its "
                  "device time, the ratio that matters)")
@@ -153,11 +165,13 @@ def prefill_section(rows, meta) -> list[str]:
             f"compile {fmt(first['compile_lower_s'], '.2f')} s, XLA compile "
             f"{fmt(first['compile_xla_s'], '.2f')} s, first run "
             f"{fmt(first['compile_first_run_s'], '.2f')} s."]
-  profiled = [r for r in rows if isinstance(r.get("profile_ours"), dict)]
-  for r in profiled:
-    out += ["", f"Kernels of one call at B={r.get('B')} T={r.get('T')} H={r.get('H')} "
-            f"K={r.get('K')} V={r.get('V')} M={r.get('M')} (device time, CUPTI):", ""]
-    out += kernel_table(r["profile_ours"], per=_calls(r["profile_ours"]))
+  for who, key in (("our", "profile_ours"), ("jla's", "profile_jla")):
+    for r in (r for r in rows if isinstance(r.get(key), dict)):
+      packed = f" N={r['N']} packed" if r.get("N") else ""
+      out += ["", f"Kernels of one call of {who} forward at B={r.get('B')} T={r.get('T')} "
+              f"H={r.get('H')} K={r.get('K')} V={r.get('V')} M={r.get('M')}{packed} "
+              "(device time, CUPTI):", ""]
+      out += kernel_table(r[key], per=_calls(r[key]))
   return out
 
 

@@ -85,13 +85,6 @@ def shapes(smoke: bool) -> list[dict]:
           dict(B=4, T=2048, H=6, K=256, V=512, M=2)]
 
 
-def seq_lengths(T: int, N: int, seed: int) -> list[int]:
-  """N random positive lengths summing to T (N-1 distinct cut points in 1..T-1)."""
-  import numpy as np
-  cuts = np.sort(np.random.default_rng(seed).choice(np.arange(1, T), N - 1, replace=False))
-  return np.diff(np.concatenate([[0], cuts, [T]])).astype(int).tolist()
-
-
 def min_bytes(s: dict, gated: bool) -> int:
   """Reads of q, k, v, beta, do (bf16) and g (float32), writes of their gradients (same dtypes)."""
   B, T, H, K, V, M = (s[n] for n in ("B", "T", "H", "K", "V", "M"))
@@ -124,14 +117,8 @@ def host_inputs(s: dict, seed: int) -> dict:
   x["beta"] = (1.0 / (1.0 + np.exp(-normal(B, T * M, H)))).astype(bf16)  # sigmoid, in (0, 1)
   x["do"] = normal(B, T, H, V).astype(bf16)
   if "N" in s:
-    lens = seq_lengths(T, s["N"], seed)
-    x["cu_seqlens"] = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
-    x["segment_ids"] = np.repeat(np.arange(s["N"], dtype=np.int32), lens)[None]   # [1, T]
+    x.update(common.packing(common.seq_lengths(T, s["N"], seed)))
   return x
-
-
-def row_seed(s: dict) -> int:
-  return s["B"] * 7 + s["T"] + s["M"] + 100 * s.get("N", 0)
 
 
 # --------------------------------------------------------------------------------------------
@@ -189,19 +176,10 @@ def jax_op(impl: str, s: dict, backend: str):
 
     op.desc = f"gdp_jax.chunk_gated_delta_product(backend={b!r})"
   elif impl == "jla":
-    if backend == "reference":
-      # The CPU smoke cannot run the Mosaic GPU kernels; jla's own jnp reference takes the very
-      # same arguments, so the smoke checks this call's layout against ours.
-      from jla.ops.chunked import gated_delta_product as jla_fn
-    else:
-      from jla.ops.mosaic_gpu.gated_delta_product import gated_delta_product as jla_fn
+    jla_fn = common.jla_gated_delta_product(kernels=backend != "reference")
 
     def op(q, k, v, g, beta, cu_seqlens=None, segment_ids=None):
-      # FLA's layout: q [B, T, H, K], k [B, T*M, H, K], v [B, T*M, H, V], g [B, T, H] (natural
-      # log, required), beta [B, T*M, H]; packed sequences as segment_ids [B, T] (its Mosaic
-      # path refuses cu_seqlens); scale None = K**-0.5.
-      return jla_fn(q, k, v, g, beta, num_householder=M, use_qk_l2norm=True,
-                    segment_ids=segment_ids)[0]
+      return common.jla_call(jla_fn, q, k, v, g, beta, M, segment_ids=segment_ids)[0]
 
     op.desc = f"{jla_fn.__module__}.{jla_fn.__name__}"
 
@@ -223,7 +201,7 @@ def jax_worker(task: dict, out: str) -> None:
   try:
     op, names = jax_op(impl, s, backend)
     rec["op"] = op.desc
-    x = host_inputs(s, row_seed(s))
+    x = host_inputs(s, common.row_seed(s))
     # Only what this implementation reads goes to the device (jla packs by segment ids, the
     # others by cu_seqlens), so inputs_bytes is its inputs.
     pack = "segment_ids" if impl == "jla" else "cu_seqlens"
@@ -267,9 +245,7 @@ def jax_worker(task: dict, out: str) -> None:
     rec["skipped"] = f"not installed: {type(e).__name__}: {e}"[:300]
   except Exception as e:
     msg = f"{type(e).__name__}: {e}"[:800]
-    # jla's Mosaic path validates its inputs first and raises ValueError naming what it does not
-    # support (K = 256, no Hopper GPU): a refusal, not a failure of this script.
-    if impl == "jla" and isinstance(e, ValueError) and "mosaic_gpu gated_delta_product" in str(e):
+    if impl == "jla" and common.jla_refused(e):
       rec["refused"] = msg
     else:
       rec["error"] = msg
@@ -290,7 +266,7 @@ def torch_worker(task: dict, out: str) -> None:
     return
   s = task["shape"]
   M = s["M"]
-  x = host_inputs(s, row_seed(s))
+  x = host_inputs(s, common.row_seed(s))
 
   def t(a, grad=False):
     if a.dtype == np.float32 or a.dtype == np.int32:
@@ -564,7 +540,7 @@ def main(argv=None):
         names = [task["impl"]] if "impl" in task else task["impls"]
         base = dict(row=i, shape=shape_text(s), **s)
         if "N" in s:
-          base["seq_lengths"] = seq_lengths(s["T"], s["N"], row_seed(s))
+          base["seq_lengths"] = common.seq_lengths(s["T"], s["N"], common.row_seed(s))
         if args.smoke and task["kind"] == "torch":
           lines = [{"impl": n, "skipped": "smoke: no torch"} for n in names]
         elif budget.over():

@@ -38,7 +38,7 @@ def main():
   for i in map(int, args.rows.split(",")):
     r = rows[i]
     K, M = r["K"], r["M"]
-    h = train.host_inputs(r, train.row_seed(r))
+    h = train.host_inputs(r, common.row_seed(r))
     x = {n: jnp.asarray(h[n]) for n in ("q", "k", "v", "g", "beta")}
     do = jnp.asarray(h["do"])
     kw = dict(num_householder=M, use_qk_l2norm_in_kernel=True, backend="triton")
