@@ -293,29 +293,33 @@ def _scan(k, v, beta, Ai, gx, cu, offsets, n_rows, *, M, h0, state_indices, fina
 
 
 def _output_launch(q, k, v_new, h, g, state_indices, S, cu, desc, *, M, scale, out_dtype, rk,
-                   config: FwdConfig) -> KernelCall:
+                   config: FwdConfig, h_offsets=None) -> KernelCall:
   T, H, K = q.shape
   _, HV, V = v_new.shape
   return KernelCall(
       "chunk_o.chunk_o_fwd_kernel",
-      (q, k, v_new, h, _opt(g), _opt(rk), _opt(state_indices, jnp.int32), cu, desc, S,
-       float(scale)),
+      (q, k, v_new, h, _opt(h_offsets, jnp.int32), _opt(g), _opt(rk),
+       _opt(state_indices, jnp.int32), cu, desc, S, float(scale)),
       (jax.ShapeDtypeStruct((T, HV, V), out_dtype),),
       grid=(desc.shape[0], -(-V // config.o_bv), HV), num_warps=config.o_warps,
       num_stages=config.o_stages,
       constexprs=dict(H=H, HV=HV, K=K, V=V, M=M, BT=BT, BK=config.o_bk, BV=config.o_bv,
-                      USE_G=g is not None, HAS_STATE_INDICES=state_indices is not None,
+                      H_PER_CHUNK=M if h_offsets is not None else 1, USE_G=g is not None, HAS_STATE_INDICES=state_indices is not None,
                       USE_RNORM=rk is not None, DOT_PRECISION=_dot_precision(q.dtype)))
 
 
 def _output(q, k, v_new, h, g, state_indices, S, cu, desc, *, M, scale, out_dtype, backend,
-            rk=None, config=FwdConfig()):
+            rk=None, config=FwdConfig(), h_offsets=None):
   """Stage 6: o [T, HV, V] in out_dtype; rows of tokens outside every sequence are unwritten.
   g: [T, HV] float32 natural-log decays or None (the kernel takes their token-stream cumsum
   Gu itself). rk: None, or the key row factors [T*M, H] of stage 2; then q is L2-normalised
-  too, by factors the kernel computes from the q rows it loads."""
+  too, by factors the kernel computes from the q rows it loads. h: the state entering every
+  token chunk (row: descriptor index), or with h_offsets ([N+1] int32,
+  chunk_offsets(M * cu_seqlens)) the state entering every expanded chunk, of which token chunk
+  c of sequence n reads row h_offsets[n] + M c."""
   (o,) = _output_launch(q, k, v_new, h, g, state_indices, S, cu, desc, M=M, scale=scale,
-                        out_dtype=out_dtype, rk=rk, config=config).run(backend)
+                        out_dtype=out_dtype, rk=rk, config=config,
+                        h_offsets=h_offsets).run(backend)
   return o
 
 
@@ -351,7 +355,7 @@ def _chunk_gated_delta_product_fwd(
       expanded chunk h_x [NXD, HV, K, V] in k.dtype (expanded chunk j of sequence n at row
       chunk_offsets(M * cu_seqlens)[n] + j) and v_new [B*T*M, HV, V]. The first three are
       intermediates of every forward; h_x costs the scan a checkpoint per expanded chunk
-      instead of per token chunk, and a gather.
+      instead of per token chunk (stage 6 reads every M-th of them in place).
     config: the kernels' block sizes and warps (static; benchmarks sweep it).
 
   Returns:
@@ -411,19 +415,18 @@ def _chunk_gated_delta_product_fwd(
       h_dtype = want
     else:
       snap_dtype = want
+  h_offsets = None
   if return_residuals:
     # The backward wants the state entering every expanded chunk: the scan on the expanded
-    # stream seen as one row per token (M = 1 over M * cu_seqlens) checkpoints each, and stage 6
-    # reads every M-th, the first expanded chunk of each token chunk (a gather of 1/M of them,
-    # cheaper than a second scan in the backward).
-    offsets_x = chunk_offsets(cu * M)
+    # stream seen as one row per token (M = 1 over M * cu_seqlens) checkpoints each (cheaper
+    # than a second scan in the backward), and stage 6 reads every M-th in place, the first
+    # expanded chunk of each token chunk.
+    h_offsets = chunk_offsets(cu * M)
     h_x, _, v_new, final = _scan(
-        k, v, beta, Ai, gx, cu * M, offsets_x, desc_x.shape[0], M=1, h0=h0, state_indices=None,
+        k, v, beta, Ai, gx, cu * M, h_offsets, desc_x.shape[0], M=1, h0=h0, state_indices=None,
         final_kind=final_kind, h_dtype=dtype, snap_dtype=None, backend=backend, rk=rk,
         config=config)
-    seq, c = desc_t[:, 0], desc_t[:, 1]
-    h = jnp.take(h_x, jnp.where(seq >= 0, offsets_x[jnp.maximum(seq, 0)] + c * M, 0), axis=0)
-    h_snap = None
+    h, h_snap = h_x, None
   else:
     h, h_snap, v_new, final = _scan(
         k, v, beta, Ai, gx, cu, offsets, n_rows, M=M, h0=h0, state_indices=state_indices,
@@ -431,7 +434,7 @@ def _chunk_gated_delta_product_fwd(
         config=config)
   S = state.shape[0] if state is not None else N
   o = _output(q, k, v_new, h, g, state_indices, S, cu, desc_t, M=M, scale=scale,
-              out_dtype=out_dtype, backend=backend, rk=rk, config=config)
+              out_dtype=out_dtype, backend=backend, rk=rk, config=config, h_offsets=h_offsets)
 
   if cu_seqlens is not None:
     # Tokens past cu_seqlens[N] belong to no sequence and no program writes them (§5.4); a

@@ -25,7 +25,9 @@ slot is outside [0, S) is padding and its output rows are written as zeros, with
 anything else (stage 5 skips such sequences, so their v_new rows are undefined).
 
 The row of `h` is the descriptor index: token-chunk descriptors are laid out in sequence order,
-so descriptor i_d of sequence n, chunk c is chunk_offsets[n] + c.
+so descriptor i_d of sequence n, chunk c is chunk_offsets[n] + c. With H_PER_CHUNK = M (the
+training forward) `h` holds the state entering every expanded chunk instead and token chunk c
+reads row h_offsets[n] + M c, its first expanded chunk's, in place (no gather of every M-th).
 
 Grid: (number of token-chunk descriptors, ceil(V / BV), HV). Program (i_d, i_v, i_hv) owns the
 64 x BV outputs of descriptor i_d, value head i_hv; a padding descriptor (sequence -1) returns
@@ -45,7 +47,10 @@ def chunk_o_fwd_kernel(
     q,              # [T, H, K]
     k,              # [T*M, H, K]
     v_new,          # [T*M, HV, V] from stage 5, input dtype
-    h,              # [NCR, HV, K, V] entering state of every token chunk (any float dtype)
+    h,              # [NCR, HV, K, V] entering state of every token chunk (any float dtype);
+                    # with H_PER_CHUNK = M, of every expanded chunk
+    h_offsets,      # [N+1] int32 first row of each sequence in h; a placeholder when
+                    # H_PER_CHUNK is 1
     g,              # [T, HV] float32 natural-log decays; a placeholder when USE_G is False
     rk,             # [T*M, H] float32 1/|k| row factors; a placeholder when USE_RNORM is False
     state_indices,  # [N] int32 slot per sequence; a placeholder without HAS_STATE_INDICES
@@ -64,6 +69,7 @@ def chunk_o_fwd_kernel(
     BT: tl.constexpr,
     BK: tl.constexpr,
     BV: tl.constexpr,
+    H_PER_CHUNK: tl.constexpr,  # rows of h per token chunk: 1, or M
     # flags
     USE_G: tl.constexpr,
     HAS_STATE_INDICES: tl.constexpr,
@@ -93,7 +99,12 @@ def chunk_o_fwd_kernel(
 
   o_k = tl.arange(0, BK)
   p_q = q + t0 * (H * K) + i_h * K + (o_t[:, None] * (H * K) + o_k[None, :])
-  p_h = h + (i_d.to(tl.int64) * HV + i_hv) * (K * V) + (o_k[:, None] * V + o_v[None, :])
+  if H_PER_CHUNK == 1:
+    i_hr = i_d.to(tl.int64)
+  else:
+    i_hr = (tl.load(h_offsets + i_n).to(tl.int64)
+            + tl.load(chunk_desc + 2 * i_d + 1).to(tl.int64) * H_PER_CHUNK)
+  p_h = h + (i_hr * HV + i_hv) * (K * V) + (o_k[:, None] * V + o_v[None, :])
 
   b_o = tl.zeros([BT, BV], dtype=tl.float32)
   for i_k in range(tl.cdiv(K, BK)):
