@@ -65,6 +65,15 @@ class BwdConfig(NamedTuple):
   h_min_programs: int = 66
   h_bv_big_k: int = 32    # K > 128 (four 64-row tiles of dS)
   h_warps: int = 4
+  # chunk_h_bwd's walk split into pieces per sequence (docs/algorithm.md §13.3, _h_pieces):
+  # h_split pieces when set (1: the unsplit walk), otherwise 1 while the walk has at least
+  # h_split_min_programs programs at the V block chosen above (half the H200's 132 SMs, the
+  # forward scan's rule), else enough pieces for h_split_programs programs (one per SM), at
+  # most h_split_max. Not measured yet: the split's defaults are a guess.
+  h_split: int = 0
+  h_split_min_programs: int = 66
+  h_split_programs: int = 132
+  h_split_max: int = 8
   o_warps: int = 4
   wy_warps: int = 4
   # qk_bwd, a pass bound by memory: BR rows times BK (K rounded up to a power of two) =
@@ -161,6 +170,34 @@ def _h_block_v(cfg: BwdConfig, N: int, HV: int, K: int, V: int) -> int:
   return cfg.h_bv
 
 
+def _h_pieces(cfg: BwdConfig, programs: int) -> int:
+  """Pieces per sequence of chunk_h_bwd's walk, which has `programs` programs unsplit. The
+  split adds a summary pass (columns of K + V per piece instead of V) to shorten each
+  program's chain by the number of pieces: a gain only where most SMs would sit idle."""
+  if cfg.h_split:
+    return cfg.h_split
+  if programs >= cfg.h_split_min_programs:
+    return 1
+  return min(cfg.h_split_max, -(-cfg.h_split_programs // programs))
+
+
+def _piece_states(summary, dht, K):
+  """The cotangent of the state leaving each piece, [N, P, HV, K, V] float32.
+
+  summary: [N, P-1, HV, K, K+V] float32, [Pi_p | E_p] of pieces p = 1..P-1 (chunk_h_bwd with
+  SUMMARY): dS_in(p) = Pi_p dS_out(p) + E_p. dht: [N, HV, K, V] float32, or None for zeros.
+  dS_out(P-1) = dht and dS_out(p-1) = dS_in(p), a chain of P-1 small float32 products.
+  """
+  pi, e = summary[..., :K], summary[..., K:]
+  s = dht if dht is not None else jnp.zeros(e.shape[:1] + e.shape[2:], jnp.float32)
+  out = [s]
+  for p in range(summary.shape[1], 0, -1):
+    s = jnp.einsum("nhij,nhjv->nhiv", pi[:, p - 1], s,
+                   precision=jax.lax.Precision.HIGHEST) + e[:, p - 1]
+    out.append(s)
+  return jnp.stack(out[::-1], axis=1)
+
+
 def _backward(q, k, v, g, beta, initial_state, cu_seqlens, res, do, dht, static):
   """(dq, dk, dv, dg, dbeta, dh0), each in its input's dtype (None for an absent input)."""
   Ai, gx, rk, h_x, v_new = res
@@ -194,6 +231,8 @@ def _backward(q, k, v, g, beta, initial_state, cu_seqlens, res, do, dht, static)
   use_g = gx is not None
   cfg = static.config
   bv = min(_h_block_v(cfg, N, HV, K, V), max(16, 1 << (V - 1).bit_length()))
+  nv = -(-V // bv)
+  pieces = _h_pieces(cfg, N * HV * nv)
   (dv_local,) = _launch.call(
       "chunk_dv_bwd.chunk_dv_local_kernel", qn, kn, do_t, gx if use_g else ph(), cu, desc_x,
       float(static.scale),
@@ -202,19 +241,37 @@ def _backward(q, k, v, g, beta, initial_state, cu_seqlens, res, do, dht, static)
       backend=backend, num_warps=cfg.wy_warps, num_stages=2,
       H=H, HV=HV, K=K, V=V, M=M, BT=BT, BK=_BK, BV=_BV, USE_G=use_g, DOT_PRECISION=prec)
 
-  dh, dvp, dh0 = _launch.call(
-      "chunk_h_bwd.chunk_h_bwd_kernel", qn, kn, gx if use_g else ph(), beta_p, Ai, do_t,
-      dv_local,
-      dht.astype(f32) if dht is not None else ph(), cu, offsets_x, float(static.scale),
-      grid=(N * HV, -(-V // bv)),
-      out_shape=[jax.ShapeDtypeStruct((n_rows_x, HV, K, V), dtype),
-                 jax.ShapeDtypeStruct((R, HV, V), dtype),
-                 jax.ShapeDtypeStruct((N, HV, K, V) if initial_state is not None else (1,), f32)],
+  # The reverse state pass. Split into pieces (docs/algorithm.md §13.3), it runs three times:
+  # the summary launch maps the dS leaving each piece 1..P-1 to the dS entering it (columns
+  # [Pi | E]), _piece_states chains the maps from the last piece back, and the walk runs every
+  # piece from the dS leaving it. Unsplit, the walk starts from dht alone.
+  h_args = (qn, kn, gx if use_g else ph(), beta_p, Ai, do_t, dv_local)
+  h_tail = (cu, offsets_x, float(static.scale))
+  h_kw = dict(
       # float32 inputs stage ieee-dot operands in shared memory: 2 stages need 329 KB at K=256
       # (over the H200's 227 KB, sm_90 compile), 1 stage fits.
       backend=backend, num_warps=cfg.h_warps, num_stages=1 if dtype == jnp.float32 else 2,
-      H=H, HV=HV, K=K, V=V, M=M, BT=BT, BV=bv, USE_G=use_g, USE_DHT=dht is not None,
-      USE_DH0=initial_state is not None, DOT_PRECISION=prec)
+      H=H, HV=HV, K=K, V=V, M=M, BT=BT, BV=bv, NP=pieces, USE_G=use_g,
+      DOT_PRECISION=prec)
+  ds_out = dht.astype(f32) if dht is not None else None
+  if pieces > 1:
+    summary = _launch.call(
+        "chunk_h_bwd.chunk_h_bwd_kernel", *h_args, ph(), *h_tail,
+        grid=(N * HV, -(-K // bv) + nv, pieces - 1),
+        out_shape=[jax.ShapeDtypeStruct((1,), dtype), jax.ShapeDtypeStruct((1,), dtype),
+                   jax.ShapeDtypeStruct((1,), f32),
+                   jax.ShapeDtypeStruct((N, pieces - 1, HV, K, K + V), f32)],
+        USE_DHT=False, USE_DH0=False, SUMMARY=True, **h_kw)[3]
+    ds_out = _piece_states(summary, ds_out, K)
+  dh, dvp, dh0, _ = _launch.call(
+      "chunk_h_bwd.chunk_h_bwd_kernel", *h_args, ds_out if ds_out is not None else ph(),
+      *h_tail,
+      grid=(N * HV, nv, pieces),
+      out_shape=[jax.ShapeDtypeStruct((n_rows_x, HV, K, V), dtype),
+                 jax.ShapeDtypeStruct((R, HV, V), dtype),
+                 jax.ShapeDtypeStruct((N, HV, K, V) if initial_state is not None else (1,), f32),
+                 jax.ShapeDtypeStruct((1,), f32)],
+      USE_DHT=ds_out is not None, USE_DH0=initial_state is not None, SUMMARY=False, **h_kw)
 
   nk = -(-K // _BK)
   dq_v, dk_o, dw, dg_k = _launch.call(

@@ -19,11 +19,26 @@ and chunk_wy_bwd), both in the dtype of their buffers (the input dtype: a bf16 d
 largest read of chunk_o_bwd); dS at the end is the initial-state cotangent, in float32. An empty
 sequence passes dht straight to dh0.
 
+A long sequence with few heads leaves most SMs idle while each program walks every chunk in
+turn, so the walk can be split into NP pieces that run in parallel (docs/algorithm.md §13.3).
+Piece p of a sequence of NX expanded chunks covers chunks [p L, min((p+1) L, NX)), L =
+ceil(NX / NP) (empty past the end). dS enters the update linearly, so a piece [a, b) maps the
+dS leaving it to the dS entering it affinely, dS_in(p) = Pi_p dS_out(p) + E_p, with
+Pi_p = A_a A_(a+1) .. A_(b-1), A_e = 2^g_C I - Kb^T T^T diag(2^(g_C - G)) K (K x K). With
+SUMMARY the kernel computes [Pi_p | E_p] for pieces 1..NP-1 (piece 0's map is never needed)
+and writes nothing else: column blocks 0 .. ceil(K/BV)-1 walk the columns of the K x K identity
+with the chunks' own terms (do~, P^T do~) off, giving Pi_p; the blocks after them walk V
+columns of dS from zero, giving E_p. The caller chains the maps from the last piece back
+(dS_out(p-1) = Pi_p dS_out(p) + E_p) and runs the kernel again without SUMMARY, each piece
+from its dS_out(p) (read from `dht`), writing dh and dV' for its own chunks; piece 0 writes
+dh0. NP = 1 is the unsplit walk: one piece from dht.
+
 No operand of a dot is the transpose of another dot's result: Triton 3.4 to 3.7.0 miscompiles
 that pattern on Hopper (FLA #640). Transposed operands are transposes of tiles loaded (coalesced)
 for the chunk, the keys' shared with K dS.
 
-Grid: (N * HV, ceil(V / BV)), as the forward scan. Parameter order: inputs, outputs, constexprs.
+Grid: (N * HV, ceil(V / BV), NP), as the forward scan with a piece axis; with SUMMARY
+(N * HV, ceil(K / BV) + ceil(V / BV), NP - 1). Parameter order: inputs, outputs, constexprs.
 """
 import triton
 import triton.language as tl
@@ -48,6 +63,13 @@ def _tile_update(b_dh, b_decay, p_q, tok, mask_q, i_t, o_k, b_k, b_gq, b_kb, b_d
 
 
 @triton.jit
+def _identity_tile(i_t, o_k, o_v, mask_v):
+  """Rows 64*i_t .. 64*i_t + 63 of the identity, columns o_v (zeros where mask_v is off)."""
+  o = i_t * 64 + o_k
+  return tl.where((o[:, None] == o_v[None, :]) & mask_v[None, :], 1., 0.)
+
+
+@triton.jit
 def chunk_h_bwd_kernel(
     # inputs
     q,              # [T, H, K] (normalised) queries, input dtype: q~ on each token's last copy
@@ -57,14 +79,18 @@ def chunk_h_bwd_kernel(
     Ai,             # [T*M, HV, BT] (I + A)^-1, input dtype
     do,             # [T, HV, V] output cotangent, input dtype: do~ on each last copy
     dv_local,       # [T*M, HV, V] P^T do~ (chunk_dv_bwd), input dtype
-    dht,            # [N, HV, K, V] float32 final-state cotangent; placeholder unless USE_DHT
+    dht,            # [N, NP, HV, K, V] float32 cotangent of the state leaving each piece (the
+                    # final-state cotangent at NP = 1); placeholder unless USE_DHT
     cu_seqlens,     # [N+1] int32 token-stream sequence starts
     chunk_offsets,  # [N+1] int32 first row of each sequence in dh (expanded chunks)
     scale,          # float32 query scale
     # outputs
-    dh,             # [NXR, HV, K, V] cotangent of the state leaving each chunk, input dtype
-    dv,             # [T*M, HV, V] dV', input dtype
+    dh,             # [NXR, HV, K, V] cotangent of the state leaving each chunk, input dtype;
+                    # placeholder with SUMMARY
+    dv,             # [T*M, HV, V] dV', input dtype; placeholder with SUMMARY
     dh0,            # [N, HV, K, V] float32 initial-state cotangent; placeholder unless USE_DH0
+    summary,        # [N, NP-1, HV, K, K+V] float32 [Pi | E] of pieces 1..NP-1; placeholder
+                    # unless SUMMARY
     # sizes
     H: tl.constexpr,
     HV: tl.constexpr,
@@ -73,13 +99,17 @@ def chunk_h_bwd_kernel(
     M: tl.constexpr,
     BT: tl.constexpr,
     BV: tl.constexpr,
+    NP: tl.constexpr,   # pieces per sequence
     # flags
     USE_G: tl.constexpr,
     USE_DHT: tl.constexpr,
     USE_DH0: tl.constexpr,
+    SUMMARY: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-  i_nh, i_v = tl.program_id(0), tl.program_id(1)
+  i_nh, i_v, i_p = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+  if SUMMARY:
+    i_p += 1
   i_n = i_nh // HV
   i_hv = i_nh % HV
   i_h = i_hv // (HV // H)
@@ -89,6 +119,10 @@ def chunk_h_bwd_kernel(
   bos_x = bos * M
   n_x = tl.cdiv(len_x, BT)
   c0 = tl.load(chunk_offsets + i_n).to(tl.int64)
+  # This program's piece: chunks [e_lo, e_hi), empty past the sequence's end.
+  n_piece = tl.cdiv(n_x, NP)
+  e_lo = tl.minimum(i_p * n_piece, n_x)
+  e_hi = tl.minimum(e_lo + n_piece, n_x)
 
   o_k = tl.arange(0, 64)
   o_v = i_v * BV + tl.arange(0, BV)
@@ -98,26 +132,48 @@ def chunk_h_bwd_kernel(
   b_dh2 = tl.zeros([64, BV], dtype=tl.float32)
   b_dh3 = tl.zeros([64, BV], dtype=tl.float32)
   b_dh4 = tl.zeros([64, BV], dtype=tl.float32)
+  mask_l = mask_v   # the columns that see the chunks' own terms (q~, do~, P^T do~)
+  if SUMMARY:
+    # Blocks below NKB carry columns of Pi (K of them, from the identity, without the chunks'
+    # own terms), the others columns of E (V of them, from zero, with them). The scalar flag
+    # enters the masks as a bound (the interpreter mistypes a block mask & a scalar one).
+    NKB: tl.constexpr = (K + BV - 1) // BV
+    local = i_v >= NKB
+    o_v = tl.where(local, i_v - NKB, i_v) * BV + tl.arange(0, BV)
+    mask_v = o_v < tl.where(local, V, K)
+    mask_l = o_v < tl.where(local, V, 0)
+    mask_i = o_v < tl.where(local, 0, K)
+    b_dh1 = _identity_tile(0, o_k, o_v, mask_i)
+    if K > 64:
+      b_dh2 = _identity_tile(1, o_k, o_v, mask_i)
+    if K > 128:
+      b_dh3 = _identity_tile(2, o_k, o_v, mask_i)
+    if K > 192:
+      b_dh4 = _identity_tile(3, o_k, o_v, mask_i)
   if USE_DHT:
-    b_dh1, b_dh2, b_dh3, b_dh4 = _load_state(dht + (i_n.to(tl.int64) * HV + i_hv) * (K * V),
-                                             o_k, o_v, mask_v, K, V)
+    b_dh1, b_dh2, b_dh3, b_dh4 = _load_state(
+        dht + ((i_n.to(tl.int64) * NP + i_p) * HV + i_hv) * (K * V), o_k, o_v, mask_v, K, V)
 
   p_q = q + i_h * K
   p_k = k + i_h * K
-  for i_r in range(0, n_x):
-    i_e = n_x - 1 - i_r
-    p_dh = dh + ((c0 + i_e) * HV + i_hv) * (K * V)
-    _store_state(p_dh, b_dh1, b_dh2, b_dh3, b_dh4, o_k, o_v, mask_v, K, V)
+  for i_r in range(0, e_hi - e_lo):
+    i_e = e_hi - 1 - i_r
+    if not SUMMARY:
+      p_dh = dh + ((c0 + i_e) * HV + i_hv) * (K * V)
+      _store_state(p_dh, b_dh1, b_dh2, b_dh3, b_dh4, o_k, o_v, mask_v, K, V)
 
     o_r = i_e * BT + o_a
     mask_r = o_r < len_x
     row = bos_x + o_r
     tok = row // M
     mask_q = mask_r & (row % M == M - 1)
+    if SUMMARY:
+      # Pi's columns read no q~ (nor do~, P^T do~: mask_l).
+      mask_q = mask_q & (o_a < tl.where(local, BT, 0))
     m_rv = mask_r[:, None] & mask_v[None, :]
     off_v = row[:, None] * (HV * V) + i_hv * V + o_v[None, :]
     b_do = tl.load(do + tok[:, None] * (HV * V) + i_hv * V + o_v[None, :],
-                   mask=mask_q[:, None] & mask_v[None, :], other=0.).to(k.dtype.element_ty)
+                   mask=mask_q[:, None] & mask_l[None, :], other=0.).to(k.dtype.element_ty)
     b_beta = tl.load(beta + row * HV + i_hv, mask=mask_r, other=0.)
     if USE_G:
       b_g = tl.load(g_cum + row * HV + i_hv, mask=mask_r, other=0.)
@@ -137,7 +193,8 @@ def chunk_h_bwd_kernel(
     b_k2 = b_k1
     b_k3 = b_k1
     b_k4 = b_k1
-    b_dv = tl.load(dv_local + off_v, mask=m_rv, other=0.).to(tl.float32)
+    b_dv = tl.load(dv_local + off_v, mask=mask_r[:, None] & mask_l[None, :],
+                   other=0.).to(tl.float32)
     b_dv += tl.dot((b_k1.to(tl.float32) * b_kdec[:, None]).to(b_do.dtype),
                    b_dh1.to(b_do.dtype), input_precision=DOT_PRECISION)
     if K > 64:
@@ -152,7 +209,8 @@ def chunk_h_bwd_kernel(
       b_k4 = _row_tile(p_k, row, mask_r, 3, o_k, H * K, K)
       b_dv += tl.dot((b_k4.to(tl.float32) * b_kdec[:, None]).to(b_do.dtype),
                      b_dh4.to(b_do.dtype), input_precision=DOT_PRECISION)
-    tl.store(dv + off_v, b_dv.to(dv.dtype.element_ty), mask=m_rv)
+    if not SUMMARY:
+      tl.store(dv + off_v, b_dv.to(dv.dtype.element_ty), mask=m_rv)
 
     # X = T^T dV': X[b] = sum_a T[a, b] dV'[a].
     b_ai = tl.load(Ai + row[:, None] * (HV * BT) + i_hv * BT + o_a[None, :],
@@ -172,6 +230,13 @@ def chunk_h_bwd_kernel(
       b_dh4 = _tile_update(b_dh4, b_decay, p_q, tok, mask_q, 3, o_k, b_k4, b_gam, b_kb, b_do,
                            b_x, scale, H, K, USE_G, DOT_PRECISION)
 
+  if SUMMARY:
+    # [Pi | E] side by side in one row of K + V columns.
+    p_s = summary + ((i_n.to(tl.int64) * (NP - 1) + i_p - 1) * HV + i_hv) * (K * (K + V))
+    _store_state(p_s, b_dh1, b_dh2, b_dh3, b_dh4, o_k, o_v + tl.where(local, K, 0), mask_v, K,
+                 K + V)
   if USE_DH0:
+    # dS entering the sequence: what piece 0 ends with.
     p_dh0 = dh0 + (i_n.to(tl.int64) * HV + i_hv) * (K * V)
-    _store_state(p_dh0, b_dh1, b_dh2, b_dh3, b_dh4, o_k, o_v, mask_v, K, V)
+    _store_state(p_dh0, b_dh1, b_dh2, b_dh3, b_dh4, o_k, o_v, o_v < tl.where(i_p == 0, V, 0),
+                 K, V)

@@ -2,7 +2,9 @@
 
 Every input's gradient (q, k, v, g, beta, initial_state, with a final-state cotangent) from the
 kernels (the interpreter on a CPU, jax_triton on a GPU) is compared by relative error with
-`jax.grad` of the float64 `lax.scan` reference on the same rounded inputs. The interpreter
+`jax.grad` of the float64 `lax.scan` reference on the same rounded inputs, through the public
+entry point and with the reverse state pass split into a fixed number of pieces per sequence
+(docs/algorithm.md §13.3). The interpreter
 allocates every kernel output as NaN, so a gradient element no kernel wrote fails the
 all-finite check; rows past cu_seqlens[N] must come back exactly zero. The backward's last
 kernel, qk_bwd, is also checked alone against its float64 formula.
@@ -107,18 +109,42 @@ def _loss(fn, cts, kw, with_outputs=False, **extra):
   return loss
 
 
-def grads(x, cts, kw, backend):
-  return jax.grad(_loss(gdp_jax.chunk_gated_delta_product, cts, kw, backend=backend))(x)
+def _train_prefill(config):
+  """The prefill's training path under a BwdConfig (the public entry point takes the default)."""
+  def prefill(q, k, v, g=None, beta=None, *, num_householder, output_final_state,
+              use_qk_l2norm_in_kernel, initial_state=None, cu_seqlens=None, backend):
+    static = _prefill_bwd._Static(num_householder, q.shape[-1] ** -0.5, output_final_state,
+                                  use_qk_l2norm_in_kernel, backend, config)
+    return _prefill_bwd._prefill(q, k, v, g, beta, initial_state, cu_seqlens, static)
+
+  return prefill
 
 
-def check_grads(c: PrefillCase, backend, seed=0):
+def grads(x, cts, kw, backend, config=None, with_outputs=False):
+  """The kernels' gradients (with with_outputs: and (o, final)), through the public entry point
+  or, given a BwdConfig, the training path under it."""
+  fn = gdp_jax.chunk_gated_delta_product if config is None else _train_prefill(config)
+  return jax.grad(_loss(fn, cts, kw, with_outputs=with_outputs, backend=backend),
+                  has_aux=with_outputs)(x)
+
+
+def check_grads(c: PrefillCase, backend, seed=0, configs=(None,)):
+  """Checks the kernels' gradients and outputs against the reference's, once per entry of
+  `configs` (None: the public entry point; a BwdConfig: the training path under it); returns
+  the gradients in that order."""
   x, cts, kw = make_inputs(c, seed)
   xk = _cast(c, x)
-  out, (o, ht) = jax.grad(_loss(gdp_jax.chunk_gated_delta_product, cts, kw, with_outputs=True,
-                                backend=backend), has_aux=True)(xk)
   up = {n: a.astype(f64) for n, a in xk.items()}   # the same rounded inputs, in float64
-  ref, (o_ref, ht_ref) = jax.grad(_loss(reference.chunk_gated_delta_product, cts, kw,
-                                        with_outputs=True), has_aux=True)(up)
+  ref = jax.grad(_loss(reference.chunk_gated_delta_product, cts, kw, with_outputs=True),
+                 has_aux=True)(up)
+  return [_check_against(c, x, cts, kw, grads(xk, cts, kw, backend, cfg, with_outputs=True),
+                         ref) for cfg in configs]
+
+
+def _check_against(c, x, cts, kw, got, expected):
+  """got, expected: (gradients, (o, final)) of the kernels and of the reference."""
+  (out, (o, ht)), (ref, (o_ref, ht_ref)) = got, expected
+  xk = _cast(c, x)
   # The outputs of the training forward (the custom_vjp's forward rule: the scan checkpointing
   # every expanded chunk, the gather for stage 6), which the gradients never read.
   assert_close("o", o_ref, o, RTOL[c.dtype])
@@ -165,16 +191,60 @@ def test_scan_block_widths_agree():
   c = Case(T=100, HV=2, K=64, V=80, M=2, l2norm=True)
   x, cts, kw = make_inputs(c, 2)
   xk = _cast(c, x)
-  narrow = grads(xk, cts, kw, KERNEL_BACKEND)
-
-  def fwd(q, k, v, g, beta, initial_state, **_):
-    static = _prefill_bwd._Static(c.M, c.K ** -0.5, c.final, c.l2norm, KERNEL_BACKEND,
-                                  _prefill_bwd.BwdConfig(h_min_programs=0))
-    return _prefill_bwd._prefill(q, k, v, g, beta, initial_state, None, static)
-
-  wide = jax.grad(_loss(fwd, cts, dict(output_final_state=c.final)))(xk)
+  # Unsplit (h_split=1), so that only the tiling differs.
+  narrow = grads(xk, cts, kw, KERNEL_BACKEND, _prefill_bwd.BwdConfig(h_split=1))
+  wide = grads(xk, cts, kw, KERNEL_BACKEND, _prefill_bwd.BwdConfig(h_min_programs=0, h_split=1))
   for n in x:
     assert err_ratio(np.asarray(narrow[n], f64), np.asarray(wide[n], f64)) < 1e-6, n
+
+
+# K != V, so that a swap of Pi's and E's columns shows; K = 48 leaves Pi's second column block
+# part empty. The packed case has an empty sequence (Pi = I, E = 0 in every piece: dht passes to
+# dh0), one of a single chunk (fewer chunks than pieces) and empty last pieces.
+SPLIT_CASES = [
+    Case(B=2, HV=2, K=48, V=32, M=2, l2norm=True),
+    Case(T=200, HV=1, K=32, V=48, M=2, varlen=(100, 0, 20, 70), l2norm=True),
+]
+
+
+@pytest.mark.parametrize("c", SPLIT_CASES, ids=lambda c: c.id)
+def test_split_state_pass(c):
+  """The reverse state pass in 2 and 3 pieces per sequence gives the unsplit pass's gradients
+  to float32 rounding (docs/algorithm.md §13.3), and each passes the reference check."""
+  one, *split = check_grads(c, KERNEL_BACKEND,
+                            configs=[_prefill_bwd.BwdConfig(h_split=p) for p in (1, 2, 3)])
+  for P, out in zip((2, 3), split):
+    for n in out:
+      e = err_ratio(one[n], out[n])
+      assert e < 1e-5, f"d{n}, {P} pieces: ratio {e:.3e} to the unsplit pass"
+
+
+def test_split_rule():
+  """Pieces only where the unsplit walk would leave most SMs idle; h_split overrides."""
+  cfg = _prefill_bwd.BwdConfig()
+  assert _prefill_bwd._h_pieces(cfg, 66) == 1
+  assert _prefill_bwd._h_pieces(cfg, 32) == 5          # 160 programs for 132 SMs
+  assert _prefill_bwd._h_pieces(cfg, 1) == cfg.h_split_max
+  assert _prefill_bwd._h_pieces(cfg._replace(h_split=3), 512) == 3
+  assert _prefill_bwd._h_pieces(cfg._replace(h_split=1), 1) == 1
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_split_state_pass_gpu(dtype):
+  """One long sequence with few heads, the reverse state pass in 8 pieces at narrow (16, the
+  default here) and wide (64) V blocks: against the reference, and two runs bitwise equal."""
+  c = Case(B=1, T=4096, H=4, HV=4, K=128, V=128, M=2, dtype=dtype, l2norm=True)
+  configs = [_prefill_bwd.BwdConfig(h_split=8),
+             _prefill_bwd.BwdConfig(h_split=8, h_min_programs=0)]
+  check_grads(c, "triton", configs=configs)
+  x, cts, kw = make_inputs(c, 0)
+  xk = _cast(c, x)
+  for cfg in configs:
+    f = jax.jit(lambda x, cfg=cfg: grads(x, cts, kw, "triton", cfg))
+    a, b = f(xk), f(xk)
+    for n in x:
+      assert bits_equal(a[n], b[n]), f"d{n} differs between two identical runs ({cfg})"
 
 
 @pytest.mark.gpu
