@@ -26,14 +26,15 @@ SM90_MAX_SHARED = 232448
 
 # (what, dtype, K, V, N): the largest head sizes the kernels support and the common one; N
 # sequences, few (the scan takes its narrow V tile) and many (its wide tile, as at benchmark
-# sizes).
+# sizes); for training one sequence too (the backward's reverse pass split into pieces).
 CASES = [("prefill", "bfloat16", 256, 512, 2), ("prefill", "float32", 256, 512, 2),
          ("prefill", "bfloat16", 128, 128, 2), ("prefill", "bfloat16", 128, 128, 16),
          ("prefill", "float32", 128, 128, 16),
          ("decode", "bfloat16", 256, 512, 4), ("decode", "float32", 256, 512, 4),
          ("speculative", "bfloat16", 256, 512, 4),
          ("train", "bfloat16", 256, 512, 2), ("train", "float32", 256, 512, 2),
-         ("train", "bfloat16", 128, 128, 16), ("train", "float32", 128, 128, 16)]
+         ("train", "bfloat16", 128, 128, 16), ("train", "float32", 128, 128, 16),
+         ("train", "bfloat16", 128, 128, 1), ("train", "float32", 256, 512, 1)]
 
 
 def _record_launches(what, dtype, K, V, N):
