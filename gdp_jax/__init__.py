@@ -1,16 +1,16 @@
 """gdp_jax: Gated Delta Product (DeltaProduct with a decay gate) for JAX.
 
 Entry points: `chunk_gated_delta_product` (prefill), `fused_recurrent_gated_delta_rule` (the
-decode step), `gated_delta_product_decode` and `accept_draft_tokens` (decode with draft tokens),
-`gated_delta_product_decode_prepare` (gates and Householder fold for the decode step in one
-launch), `chunk_offsets` (where each packed sequence's chunk states start), and `reference`, the pure
-jax.numpy twins of all of them. `UntestedVersionsWarning` is the warning the GPU path gives once
+decode step), `gated_delta_product_decode`, `accept_draft_tokens` and `commit_replay` (decode
+with draft tokens), `gated_delta_product_decode_prepare` (gates and Householder fold for the
+decode step in one launch), `chunk_offsets` (where each packed sequence's chunk states start),
+and `reference`, the pure jax.numpy twins of all of them. `UntestedVersionsWarning` is the warning the GPU path gives once
 on package versions other than those its test suite passed with (`gdp_jax._versions.TESTED`).
 """
 from importlib import metadata as _metadata
 
-from gdp_jax.decode import (accept_draft_tokens, fused_recurrent_gated_delta_rule,
-                            gated_delta_product_decode)
+from gdp_jax.decode import (accept_draft_tokens, commit_replay,
+                            fused_recurrent_gated_delta_rule, gated_delta_product_decode)
 from gdp_jax._versions import UntestedVersionsWarning
 from gdp_jax.prefill import chunk_gated_delta_product
 from gdp_jax.prepare import gated_delta_product_decode_prepare
@@ -26,6 +26,7 @@ __all__ = [
     "accept_draft_tokens",
     "chunk_gated_delta_product",
     "chunk_offsets",
+    "commit_replay",
     "fused_recurrent_gated_delta_rule",
     "gated_delta_product_decode",
     "gated_delta_product_decode_prepare",

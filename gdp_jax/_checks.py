@@ -176,9 +176,16 @@ def _num_accepted(num_accepted, *, state, state_indices, intermediate_states, N)
   if state is None or intermediate_states is None:
     raise ValueError("num_accepted: needs the cache (state) and the previous step's snapshots "
                      "(intermediate_states), which the counts select the start states from")
+  S, D = intermediate_states.shape[:2]
+  _counts(num_accepted, D, S=S, state_indices=state_indices, N=N,
+          hint="n >= 1 starts from the previous step's snapshot after its n-th draft token, 0 "
+               "from the cache slot")
+
+
+def _counts(num_accepted, D, *, S, state_indices, N, hint):
+  """num_accepted [N], an index dtype; where concrete, 0..D for every request with a live slot."""
   _expect("num_accepted", num_accepted, ("N",), (N,))
   _integer("num_accepted", num_accepted)
-  S, D = intermediate_states.shape[:2]
   n = _concrete(num_accepted)
   idx = np.arange(N) if state_indices is None else _concrete(state_indices)
   if n is None or idx is None:
@@ -188,12 +195,102 @@ def _num_accepted(num_accepted, *, state, state_indices, intermediate_states, N)
     i = int(bad[0])
     raise ValueError(
         f"num_accepted: expected 0..D = 0..{D} for every request with a slot in [0, S), got "
-        f"{int(n[i])} for request {i} (slot {int(idx[i])}); n >= 1 starts from the previous "
-        "step's snapshot after its n-th draft token, 0 from the cache slot")
+        f"{int(n[i])} for request {i} (slot {int(idx[i])}); {hint}")
+
+
+RING_NAMES = ("replay_ring[0] (k)", "replay_ring[1] (v)", "replay_ring[2] (g)",
+              "replay_ring[3] (beta)")
+
+
+def _ring(replay_ring, *, S, R, H, HV, K, V, g_rows, g_names, beta_v, r_name="R"):
+  """The four ring arrays (k, v, g, beta) of S slots and R rows (r_name in messages) each; g
+  has g_rows rows, beta is [S, R, HV, V] when beta_v, [S, R, HV] when not, either when beta_v
+  is None."""
+  if not isinstance(replay_ring, (tuple, list)) or len(replay_ring) != 4:
+    raise ValueError("replay_ring: expected a tuple (k, v, g, beta) of the previous step's "
+                     f"inputs per cache slot, got {type(replay_ring).__name__}")
+  rk, rv, rg, rb = replay_ring
+  for name, x in zip(RING_NAMES, replay_ring):
+    _floating(name, x)
+  if rk is None or rv is None:
+    raise ValueError("replay_ring: k and v are required; only g and beta may be None")
+  _expect(RING_NAMES[0], rk, ("S", r_name, "H", "K"), (S, R, H, K))
+  _expect(RING_NAMES[1], rv, ("S", r_name, "HV", "V"), (S, R, HV, V))
+  _expect(RING_NAMES[2], rg, ("S",) + g_names + ("HV",), (S,) + g_rows + (HV,))
+  if rb is not None:
+    if beta_v or (beta_v is None and rb.ndim == 4):
+      _expect(RING_NAMES[3], rb, ("S", r_name, "HV", "V"), (S, R, HV, V), "element-wise")
+    else:
+      _expect(RING_NAMES[3], rb, ("S", r_name, "HV"), (S, R, HV))
+
+
+def _replay_step(replay_ring, g, beta, *, state, state_indices, intermediate_states,
+                 num_accepted, N, R, r_name, D, H, HV, K, V, g_rows, g_names):
+  """A step with replay_ring: the ring fits the step (same g and beta presence and form), needs
+  the cache and the counts, excludes the snapshots."""
+  if replay_ring is None:
+    return
+  if state is None:
+    raise ValueError("replay_ring: needs the cache (state) [S, HV, K, V], whose slots hold the "
+                     "checkpoints the ring is replayed into")
+  if num_accepted is None:
+    raise ValueError(f"replay_ring: needs num_accepted [N] = [{N}], the ring tokens each "
+                     "request keeps (0 after prefill)")
+  if intermediate_states is not None:
+    raise ValueError("intermediate_states: not with replay_ring; the ring replaces the "
+                     "snapshots")
+  S = state.shape[0]
+  _ring(replay_ring, S=S, R=R, H=H, HV=HV, K=K, V=V, g_rows=g_rows, g_names=g_names,
+        beta_v=None if beta is None else beta.ndim == 4, r_name=r_name)
+  for i, arg, step in ((2, "g", g), (3, "beta", beta)):
+    if (replay_ring[i] is None) != (step is None):
+      raise ValueError(
+          f"{RING_NAMES[i]}: expected None exactly when the step's {arg} is None (the ring "
+          f"replays what the step ran), got {'None' if replay_ring[i] is None else 'an array'} "
+          f"with {arg} {'None' if step is None else 'given'}")
+  _counts(num_accepted, D, S=S, state_indices=state_indices, N=N,
+          hint="n replays the first n draft tokens of the ring (the previous step's), 0 none")
+
+
+def check_commit_replay(state, replay_ring, state_indices, num_accepted, *,
+                        steps_per_token) -> Dims:
+  """Checks the arguments of `commit_replay`; returns the sizes (T = 0: no new tokens)."""
+  _ndim("state", state, ("S", "HV", "K", "V"))
+  _state_dtype("state", state)
+  S, HV, K, V = state.shape
+  _positive_int("steps_per_token", steps_per_token)
+  if not isinstance(replay_ring, (tuple, list)) or len(replay_ring) != 4:
+    raise ValueError("replay_ring: expected a tuple (k, v, g, beta) of the previous step's "
+                     f"inputs per cache slot, got {type(replay_ring).__name__}")
+  rk = replay_ring[0]
+  if rk is None:
+    raise ValueError("replay_ring: k and v are required; only g and beta may be None")
+  _ndim(RING_NAMES[0], rk, ("S", "R", "H", "K"))
+  R, H = rk.shape[1], rk.shape[2]
+  if R % steps_per_token:
+    raise ValueError(f"{RING_NAMES[0]}: R = {R} rows must be a multiple of steps_per_token = "
+                     f"{steps_per_token} (D draft tokens of steps_per_token rows)")
+  if HV % H:
+    raise ValueError(f"{RING_NAMES[1]}: value heads HV = {HV} must be a multiple of key heads "
+                     f"H = {H}")
+  D = R // steps_per_token
+  rg = replay_ring[2]
+  g_rows = (R,)
+  if rg is not None and getattr(rg, "ndim", 0) == 3 and rg.shape[1] == D:
+    g_rows = (D,)  # one decay per draft token, applied on its first row
+  _ring(replay_ring, S=S, R=R, H=H, HV=HV, K=K, V=V, g_rows=g_rows,
+        g_names=("R",) if g_rows == (R,) else ("D",), beta_v=None)
+  _ndim("state_indices", state_indices, ("N",))
+  _integer("state_indices", state_indices)
+  N = state_indices.shape[0]
+  _unique_slots(state_indices, S)
+  _counts(num_accepted, D, S=S, state_indices=state_indices, N=N,
+          hint="n replays the first n draft tokens of the ring, 0 none")
+  return Dims(N, 0, H, HV, K, V, N)
 
 
 def check_fused_recurrent(q, k, v, g, beta, *, scale, initial_state, cu_seqlens, state,
-                          state_indices, intermediate_states, num_accepted,
+                          state_indices, intermediate_states, num_accepted, replay_ring,
                           steps_per_token) -> Dims:
   """Checks the arguments of `fused_recurrent_gated_delta_rule`."""
   B, T, H, K, HV, V = _heads("q", q, "v", v)
@@ -221,8 +318,20 @@ def check_fused_recurrent(q, k, v, g, beta, *, scale, initial_state, cu_seqlens,
     if state is None and S < N:
       raise ValueError(f"intermediate_states: without state sequence n uses slot n, so S >= N = "
                        f"{N} is needed, got S = {S}")
-  _num_accepted(num_accepted, state=state, state_indices=state_indices,
-                intermediate_states=intermediate_states, N=N)
+  if replay_ring is not None:
+    if cu_seqlens is not None:
+      raise ValueError("cu_seqlens: not with replay_ring; the ring holds T steps per slot, so "
+                       "the step takes a dense [B, T] batch")
+    if T % steps_per_token:
+      raise ValueError(f"q: T = {T} must be a multiple of steps_per_token = {steps_per_token} "
+                       "with replay_ring")
+    _replay_step(replay_ring, g, beta, state=state, state_indices=state_indices,
+                 intermediate_states=intermediate_states, num_accepted=num_accepted, N=N, R=T,
+                 r_name="T", D=T // steps_per_token, H=H, HV=HV, K=K, V=V, g_rows=(T,),
+                 g_names=("T",))
+  else:
+    _num_accepted(num_accepted, state=state, state_indices=state_indices,
+                  intermediate_states=intermediate_states, N=N)
   return Dims(B, T, H, HV, K, V, N)
 
 
@@ -263,7 +372,7 @@ def check_prefill(q, k, v, g, beta, *, num_householder, scale, initial_state, cu
 
 
 def check_gdp_decode(q, k, v, g, beta, *, num_householder, state, state_indices,
-                     intermediate_states, num_accepted, scale) -> Dims:
+                     intermediate_states, num_accepted, replay_ring, scale) -> Dims:
   """Checks the arguments of `gated_delta_product_decode` (T is D, the draft tokens)."""
   N, D, H, K, HV, V = _expanded_stream(q, k, v, g, beta, num_householder, "N", "D",
                                        "draft token")
@@ -277,8 +386,15 @@ def check_gdp_decode(q, k, v, g, beta, *, num_householder, state, state_indices,
     _state_dtype("intermediate_states", intermediate_states)
     _expect("intermediate_states", intermediate_states, ("S", "D", "HV", "K", "V"),
             (state.shape[0], D, HV, K, V))
-  _num_accepted(num_accepted, state=state, state_indices=state_indices,
-                intermediate_states=intermediate_states, N=N)
+  if replay_ring is not None:
+    M = num_householder
+    _replay_step(replay_ring, g, beta, state=state, state_indices=state_indices,
+                 intermediate_states=intermediate_states, num_accepted=num_accepted, N=N,
+                 R=D * M, r_name="D*M", D=D, H=H, HV=HV, K=K, V=V, g_rows=(D,),
+                 g_names=("D",))
+  else:
+    _num_accepted(num_accepted, state=state, state_indices=state_indices,
+                  intermediate_states=intermediate_states, N=N)
   return Dims(N, D, H, HV, K, V, N)
 
 

@@ -23,6 +23,16 @@ inter[slot, n-1] (n = 0: from the cache slot), and the cache slot is not written
 are the state of record. The program reads its [K, BV] start tile before it stores any snapshot,
 and no other program touches that tile, so reading and rewriting the snapshots in place is safe.
 
+Speculative decoding by checkpoint and replay (HAS_REPLAY, docs/api.md): the cache slot is a
+checkpoint, and a ring holds the previous step's NR recurrence-step inputs (k, v, g, beta) per
+slot. Sequence i first replays the first num_accepted[i] * STEPS_PER_TOKEN ring rows of its slot
+into the checkpoint (state updates only; the loop bound skips the rejected rows), stores the
+result as the new checkpoint, then walks its T new steps storing outputs only: one state read
+and at most one state write, whatever the draft length. Ring g holds one decay per
+RING_G_STEPS rows (M for Gated Delta Product: one per draft token, on its first copy). The
+kernel only reads the ring; the caller writes the new rows after it. T = 0 is the commit: the
+replay and the checkpoint, no outputs.
+
 Parameters are ordered inputs, outputs, constexprs (jax_triton.triton_call appends one pointer
 per output after the inputs). Optional inputs arrive as placeholders switched off by a flag,
 since triton_call cannot pass None. A buffer updated in place (the cache, the snapshots) comes
@@ -48,7 +58,11 @@ def fused_recurrent_fwd_kernel(
     inter_in,       # [S, NI, HV, K, V] per-draft-token snapshots    (STORE_INTERMEDIATE)
     state_indices,  # [N] int32 cache slot per sequence               (HAS_STATE_INDICES)
     cu_seqlens,     # [N+1] int32 sequence starts, B == 1             (IS_VARLEN)
-    num_accepted,   # [N] int32 draft tokens kept by the previous step   (HAS_NUM_ACCEPTED)
+    num_accepted,   # [N] int32 draft tokens kept by the previous step   (HAS_NUM_ACCEPTED, HAS_REPLAY)
+    ring_k,         # [S, NR, H, K] previous step's keys                  (HAS_REPLAY)
+    ring_v,         # [S, NR, HV, V]                                      (HAS_REPLAY)
+    ring_g,         # [S, NR // RING_G_STEPS, HV] log decays              (HAS_REPLAY, USE_G)
+    ring_beta,      # [S, NR, HV] or [S, NR, HV, V]                       (HAS_REPLAY, USE_BETA)
     scale,          # float32
     T,              # tokens per sequence of the (packed) stream
     S,              # cache slots (of `state_in`, else of `inter_in`)
@@ -63,9 +77,11 @@ def fused_recurrent_fwd_kernel(
     K: tl.constexpr,
     V: tl.constexpr,
     NI: tl.constexpr,
+    NR: tl.constexpr,
     BK: tl.constexpr,
     BV: tl.constexpr,
     STEPS_PER_TOKEN: tl.constexpr,
+    RING_G_STEPS: tl.constexpr,
     # flags
     USE_G: tl.constexpr,
     USE_BETA: tl.constexpr,
@@ -78,6 +94,7 @@ def fused_recurrent_fwd_kernel(
     STORE_INTERMEDIATE: tl.constexpr,
     IS_VARLEN: tl.constexpr,
     HAS_NUM_ACCEPTED: tl.constexpr,
+    HAS_REPLAY: tl.constexpr,
 ):
   i_v, i_n, i_hv, i_h = decode_program(triton.cdiv(V, BV), HV, H)
 
@@ -114,7 +131,32 @@ def fused_recurrent_fwd_kernel(
   b_h = tl.zeros([BK, BV], dtype=tl.float32)
   if HAS_STATE:
     p_state = (slot * HV + i_hv) * K * V + p_kv
-    if HAS_NUM_ACCEPTED:
+    if HAS_REPLAY:
+      b_h = tl.load(state_in + p_state, mask=mask_h, other=0.).to(tl.float32)
+      # Clamped to 0..NR // STEPS_PER_TOKEN: a traced count out of range must not read outside
+      # the ring.
+      n_acc = tl.minimum(tl.maximum(tl.load(num_accepted + i_n).to(tl.int64), 0),
+                         NR // STEPS_PER_TOKEN)
+      for s in range(0, n_acc * STEPS_PER_TOKEN):
+        r = slot * NR + s
+        b_g = 0.
+        if USE_G:
+          # Rows between two decays (the M - 1 later copies of a token) decay by exp(0).
+          b_g = tl.load(ring_g + (slot * (NR // RING_G_STEPS) + s // RING_G_STEPS) * HV + i_hv)
+          b_g = tl.where(s % RING_G_STEPS == 0, b_g.to(tl.float32), 0.)
+        if IS_BETA_HEADWISE:
+          p_beta = ring_beta + r * HV + i_hv
+        else:
+          p_beta = ring_beta + (r * HV + i_hv) * V
+        b_h = _delta_step(b_h, ring_k + (r * H + i_h) * K, ring_v + (r * HV + i_hv) * V, p_beta,
+                          b_g, o_k, o_v, mask_k, mask_v, USE_G, USE_BETA, IS_BETA_HEADWISE,
+                          USE_QK_L2NORM)
+      if n_acc > 0:
+        tl.store(state_out + p_state, b_h.to(state_out.dtype.element_ty), mask=mask_h)
+        # The new tokens start from the checkpoint as stored, so that this step equals the
+        # commit followed by a plain step bit for bit, whatever the cache dtype.
+        b_h = b_h.to(state_out.dtype.element_ty).to(tl.float32)
+    elif HAS_NUM_ACCEPTED:
       # Clamped to 0..NI: a traced count out of range must not read outside the snapshots.
       n_acc = tl.minimum(tl.maximum(tl.load(num_accepted + i_n).to(tl.int64), 0), NI)
       if n_acc > 0:
@@ -130,22 +172,19 @@ def fused_recurrent_fwd_kernel(
 
   for s in range(0, eos - bos):
     t = bos + s
+    b_g = 0.
+    if USE_G:
+      b_g = tl.load(g + t * HV + i_hv).to(tl.float32)
+    if IS_BETA_HEADWISE:
+      p_beta = beta + t * HV + i_hv
+    else:
+      p_beta = beta + (t * HV + i_hv) * V
+    b_h = _delta_step(b_h, k + (t * H + i_h) * K, v + (t * HV + i_hv) * V, p_beta, b_g, o_k,
+                      o_v, mask_k, mask_v, USE_G, USE_BETA, IS_BETA_HEADWISE, USE_QK_L2NORM)
     b_q = tl.load(q + (t * H + i_h) * K + o_k, mask=mask_k, other=0.).to(tl.float32)
-    b_k = tl.load(k + (t * H + i_h) * K + o_k, mask=mask_k, other=0.).to(tl.float32)
-    b_v = tl.load(v + (t * HV + i_hv) * V + o_v, mask=mask_v, other=0.).to(tl.float32)
     if USE_QK_L2NORM:
       b_q = l2norm_rows(b_q)
-      b_k = l2norm_rows(b_k)
     b_q = b_q * scale
-    if USE_G:
-      b_h *= tl.exp(tl.load(g + t * HV + i_hv).to(tl.float32))
-    b_v -= tl.sum(b_h * b_k[:, None], 0)
-    if USE_BETA:
-      if IS_BETA_HEADWISE:
-        b_v *= tl.load(beta + t * HV + i_hv).to(tl.float32)
-      else:
-        b_v *= tl.load(beta + (t * HV + i_hv) * V + o_v, mask=mask_v, other=0.).to(tl.float32)
-    b_h += b_k[:, None] * b_v[None, :]
     b_o = tl.sum(b_h * b_q[:, None], 0)
     tl.store(o + (t * HV + i_hv) * V + o_v, b_o.to(o.dtype.element_ty), mask=mask_v)
     if STORE_INTERMEDIATE:
@@ -157,7 +196,32 @@ def fused_recurrent_fwd_kernel(
                mask=mask_h & ((s + 1) % STEPS_PER_TOKEN == 0))
 
   if HAS_STATE:
-    if not HAS_NUM_ACCEPTED:  # with it, the last snapshot is the state after the step
+    # With num_accepted the last snapshot is the state after the step; with the replay the
+    # checkpoint was stored before the new tokens.
+    if not (HAS_NUM_ACCEPTED or HAS_REPLAY):
       tl.store(state_out + p_state, b_h.to(state_out.dtype.element_ty), mask=mask_h)
   elif STORE_FINAL_STATE:
     tl.store(ht + (i_n.to(tl.int64) * HV + i_hv) * K * V + p_kv, b_h, mask=mask_h)
+
+
+@triton.jit
+def _delta_step(b_h, p_k, p_v, p_beta, b_g, o_k, o_v, mask_k, mask_v, USE_G: tl.constexpr,
+                USE_BETA: tl.constexpr, IS_BETA_HEADWISE: tl.constexpr,
+                USE_QK_L2NORM: tl.constexpr):
+  """One step of the recurrence on the [BK, BV] tile b_h: decay by exp(b_g), then the rank-1
+  update from the key row at p_k, the value row at p_v and beta at p_beta (a scalar, or a row
+  of V). The verify step's tokens and the replay of the ring both run through it."""
+  b_k = tl.load(p_k + o_k, mask=mask_k, other=0.).to(tl.float32)
+  b_v = tl.load(p_v + o_v, mask=mask_v, other=0.).to(tl.float32)
+  if USE_QK_L2NORM:
+    b_k = l2norm_rows(b_k)
+  if USE_G:
+    b_h *= tl.exp(b_g)
+  b_v -= tl.sum(b_h * b_k[:, None], 0)
+  if USE_BETA:
+    if IS_BETA_HEADWISE:
+      b_v *= tl.load(p_beta).to(tl.float32)
+    else:
+      b_v *= tl.load(p_beta + o_v, mask=mask_v, other=0.).to(tl.float32)
+  b_h += b_k[:, None] * b_v[None, :]
+  return b_h

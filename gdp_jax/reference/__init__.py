@@ -12,6 +12,7 @@ from gdp_jax.reference.prepare import decay_gate
 from gdp_jax.reference.prepare import gated_delta_product_decode_prepare
 from gdp_jax.reference.recurrent import accept_draft_tokens
 from gdp_jax.reference.recurrent import chunk_gated_delta_product
+from gdp_jax.reference.recurrent import commit_replay
 from gdp_jax.reference.recurrent import fused_recurrent_gated_delta_rule
 from gdp_jax.reference.recurrent import gated_delta_product_decode
 
@@ -23,6 +24,7 @@ __all__ = [
     "chunk_gated_delta_product",
     "chunk_gated_delta_product_chunked",
     "chunk_offsets",
+    "commit_replay",
     "fused_recurrent_gated_delta_rule",
     "gated_delta_product_decode",
     "gated_delta_product_decode_prepare",

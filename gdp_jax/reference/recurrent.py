@@ -179,7 +179,7 @@ def fused_recurrent_gated_delta_rule(q, k, v, g=None, beta=None, *, scale=None,
                                      initial_state=None, output_final_state=False,
                                      use_qk_l2norm_in_kernel=False, cu_seqlens=None, state=None,
                                      state_indices=None, intermediate_states=None,
-                                     num_accepted=None, steps_per_token=1):
+                                     num_accepted=None, replay_ring=None, steps_per_token=1):
   """Gated delta rule (M = 1), token by token. Twin of `gdp_jax.fused_recurrent_gated_delta_rule`.
 
   Args:
@@ -207,15 +207,27 @@ def fused_recurrent_gated_delta_rule(q, k, v, g=None, beta=None, *, scale=None,
       intermediate_states) sequence n starts from intermediate_states[slot, num_accepted[n] - 1]
       (state[slot] where the count is 0; counts clamped to 0..T // steps_per_token) and the
       cache is returned unwritten.
+    replay_ring: (k [S, T, H, K], v [S, T, HV, V], g [S, T, HV] or None, beta or None), the
+      previous step's inputs per slot, with state, num_accepted and a dense batch: the cache
+      becomes `commit_replay` of the ring (the checkpoints), the T steps run from it with
+      outputs only, and the ring's live slots receive this step's k, v, g, beta.
     steps_per_token: recurrence steps per snapshot (M when decoding a folded GDP stream).
 
   Returns:
-    (o, final_state), plus the updated intermediate_states last when one is passed. o is
-    [B, T, HV, V] in v.dtype. final_state is the updated cache when `state` is given, else the
-    dense final state when output_final_state, else None.
+    (o, final_state), plus the updated intermediate_states last when one is passed, or the new
+    ring last with replay_ring. o is [B, T, HV, V] in v.dtype. final_state is the updated cache
+    when `state` is given, else the dense final state when output_final_state, else None.
   """
   B, T, H, K = q.shape
   HV, V = v.shape[2], v.shape[3]
+  if replay_ring is not None:
+    cache = commit_replay(state, replay_ring, state_indices, num_accepted,
+                          steps_per_token=steps_per_token,
+                          use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
+    o, _ = fused_recurrent_gated_delta_rule(
+        q, k, v, g, beta, scale=scale, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+        state=cache, state_indices=state_indices)
+    return o, cache, _push_ring(replay_ring, state_indices, (k, v, g, beta))
   if _independent_rows(B, cu_seqlens, state, intermediate_states):
     def one(q, k, v, g, beta, h0):
       return fused_recurrent_gated_delta_rule(
@@ -340,8 +352,8 @@ def chunk_gated_delta_product(q, k, v, g=None, beta=None, *, num_householder, sc
 
 
 def gated_delta_product_decode(q, k, v, g, beta, *, num_householder, state, state_indices,
-                               intermediate_states=None, num_accepted=None, scale=None,
-                               use_qk_l2norm_in_kernel=False):
+                               intermediate_states=None, num_accepted=None, replay_ring=None,
+                               scale=None, use_qk_l2norm_in_kernel=False):
   """D draft tokens per request against the cache. Twin of `gdp_jax.gated_delta_product_decode`.
 
   Written as its own loop over the D tokens and M copies (not through the folded GDN stream),
@@ -362,14 +374,25 @@ def gated_delta_product_decode(q, k, v, g, beta, *, num_householder, state, stat
     num_accepted: [N] int or None; with it request n starts from
       intermediate_states[slot, num_accepted[n] - 1] (state[slot] where the count is 0; counts
       clamped to 0..D), and the cache is returned unwritten.
+    replay_ring: (k [S, D*M, H, K], v [S, D*M, HV, V], g [S, D, HV] or None, beta
+      [S, D*M, HV] or None), the previous step's inputs per slot, with num_accepted: the
+      cache becomes `commit_replay` of the ring (the checkpoints), the D draft tokens run from
+      it with outputs only, and the ring's live slots receive this step's k, v, g, beta.
     scale: query scale, default K ** -0.5.
     use_qk_l2norm_in_kernel: normalise q and k rows first.
 
   Returns:
     (o [N, D, HV, V] in v.dtype, updated state), plus the updated intermediate_states last when
-    one is passed.
+    one is passed, or the new ring last with replay_ring.
   """
   M = num_householder
+  if replay_ring is not None:
+    cache = commit_replay(state, replay_ring, state_indices, num_accepted, steps_per_token=M,
+                          use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
+    o, _ = gated_delta_product_decode(
+        q, k, v, g, beta, num_householder=M, state=cache, state_indices=state_indices,
+        scale=scale, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
+    return o, cache, _push_ring(replay_ring, state_indices, (k, v, g, beta))
   N, D, H, K = q.shape
   HV, V = v.shape[2], v.shape[3]
   G = HV // H
@@ -446,3 +469,68 @@ def accept_draft_tokens(state, intermediate_states, state_indices, num_accepted)
   # Gather with clipped indices and discard; scatter padding to row S, which "drop" discards.
   src = intermediate_states[jnp.clip(slots, 0, S - 1), jnp.clip(acc - 1, 0, D - 1)]
   return state.at[jnp.where(live, slots, S)].set(src.astype(state.dtype), mode="drop")
+
+
+def commit_replay(state, replay_ring, state_indices, num_accepted, *, steps_per_token=1,
+                  use_qk_l2norm_in_kernel=False):
+  """Replays each request's accepted ring tokens into its slot. Twin of `gdp_jax.commit_replay`.
+
+  Written as the masked recurrence over all R ring rows: rows at or past
+  num_accepted[i] * steps_per_token leave the state as it was (as beta = 0 and g = 0 would).
+
+  Args:
+    state: cache [S, HV, K, V].
+    replay_ring: (k [S, R, H, K], v [S, R, HV, V], g, beta); g [S, R, HV] (one decay per row)
+      or [S, R // steps_per_token, HV] (one per draft token, on its first row) or None; beta
+      [S, R, HV], [S, R, HV, V] or None (= 1).
+    state_indices: [N] int32 slots (-1 or out of range: padding, untouched).
+    num_accepted: [N] int, draft tokens to replay per request (clamped to 0..R // spt).
+    steps_per_token: ring rows per draft token (M for Gated Delta Product).
+    use_qk_l2norm_in_kernel: normalise the key rows first.
+
+  Returns:
+    The updated cache [S, HV, K, V] in state.dtype.
+  """
+  rk, rv, rg, rb = replay_ring
+  S, HV = state.shape[0], state.shape[1]
+  R, H = rk.shape[1], rk.shape[2]
+  cdt = _compute_dtype(rv)
+  slots = _slots(state_indices, num_accepted.shape[0])
+  live = (slots >= 0) & (slots < S)
+  at = jnp.clip(slots, 0, S - 1)
+  rows = jnp.clip(num_accepted.astype(jnp.int32), 0, R // steps_per_token) * steps_per_token
+  kf = rk[at].astype(cdt)                                       # [N, R, H, K]
+  if use_qk_l2norm_in_kernel:
+    kf = _l2norm(kf)
+  kf = jnp.repeat(kf, HV // H, axis=2)                          # [N, R, HV, K]
+  vf = rv[at].astype(cdt)
+  h = state[at].astype(cdt)
+  for r in range(R):
+    h_new = h
+    if rg is not None:
+      per_row = rg.shape[1] == R
+      if per_row or r % steps_per_token == 0:
+        gr = rg[at, r if per_row else r // steps_per_token].astype(cdt)   # [N, HV]
+        h_new = h_new * jnp.exp(gr)[:, :, None, None]
+    delta = vf[:, r] - jnp.einsum("nhkv,nhk->nhv", h_new, kf[:, r],
+                                  precision=jax.lax.Precision.HIGHEST)
+    if rb is not None:
+      b = rb[at, r].astype(cdt)
+      delta = delta * (b[:, :, None] if b.ndim == 2 else b)
+    h_new = h_new + kf[:, r][:, :, :, None] * delta[:, :, None, :]
+    h = jnp.where((r < rows)[:, None, None, None], h_new, h)
+  return state.at[jnp.where(live, slots, S)].set(h.astype(state.dtype), mode="drop")
+
+
+def _push_ring(ring, state_indices, rows):
+  """ring[slot] = this step's rows at the live slots (mode="drop" discards padding at row S)."""
+  S = ring[0].shape[0]
+  slots = _slots(state_indices, rows[0].shape[0])
+  w = jnp.where((slots >= 0) & (slots < S), slots, S)
+  return tuple(None if r is None else r.at[w].set(x.astype(r.dtype), mode="drop")
+               for r, x in zip(ring, rows))
+
+
+def _slots(state_indices, N):
+  return (jnp.arange(N, dtype=jnp.int32) if state_indices is None
+          else state_indices.astype(jnp.int32))
