@@ -323,6 +323,227 @@ def test_speculative_step_equals_accept_then_decode_bitwise():
   assert bits_equal(state_new, state1)
 
 
+STEP_INPUTS = ("q", "k", "v", "g", "beta")
+RING_INPUTS = ("k", "v", "g", "beta")
+
+
+def empty_ring(S, D, M, H, HV, K, V, dtype):
+  """A ring fresh from prefill: NaN everywhere, so a replay that read it would show."""
+  nan = lambda shape, dt: jnp.full(shape, jnp.nan, dt)
+  return (nan((S, D * M, H, K), dtype), nan((S, D * M, HV, V), dtype),
+          nan((S, D, HV), jnp.float32), nan((S, D * M, HV), dtype))
+
+
+def check_replay_ring(ring, old, x, slots, live):
+  """The new ring holds the step's inputs at the live slots, bit for bit; other slots keep the
+  old ring's bits."""
+  for name, r, r_old in zip(RING_INPUTS, ring, old):
+    assert r.dtype == r_old.dtype and r.shape == r_old.shape, name
+    assert bits_equal(np.asarray(r)[slots[slots >= 0]],
+                      np.asarray(x[name].astype(r.dtype))[slots >= 0]), f"ring {name}: not the step's"
+    assert bits_equal(np.asarray(r)[~live], np.asarray(r_old)[~live]), f"ring {name}: slot changed"
+
+
+def check_replay(N, D, M, H, HV, K, V, S, dtype, backend, seed=0):
+  """Checkpoint and replay. Step one starts after prefill (counts 0, a NaN ring). Step two
+  replays each request's first counts[i] tokens of step one (every count 0..D over the rounds)
+  and equals the reference run on only those tokens of step one, then all of step two; its
+  checkpoints are the states after the accepted tokens. commit_replay then folds a second set
+  of counts of step two into the cache and equals the reference on those tokens. The replay
+  step is, bit for bit, commit_replay followed by a plain step. Padding outputs are 0, padding
+  and unaddressed slots keep their bits (cache and ring). Under jax.jit with the cache and the
+  ring donated."""
+  a = gdp_inputs(N, D, M, H, HV, K, V, S, dtype, seed=seed)
+  b = {n: x for n, x in gdp_inputs(N, D, M, H, HV, K, V, S, dtype, seed=seed + 1).items()
+       if n in STEP_INPUTS}
+  xa = {n: a[n] for n in STEP_INPUTS}
+  cache = a["state"]
+  slots = np.asarray(a["state_indices"])
+  live = np.zeros(S, bool)
+  live[slots[slots >= 0]] = True
+  kw = dict(num_householder=M, state_indices=a["state_indices"], backend=backend)
+  step = jax.jit(lambda x, c, r, n: gdp_jax.gated_delta_product_decode(
+      **x, state=c, num_accepted=n, replay_ring=r, **kw), donate_argnums=(1, 2))
+  commit = jax.jit(lambda c, r, n: gdp_jax.commit_replay(
+      c, r, a["state_indices"], n, steps_per_token=M, backend=backend), donate_argnums=(0,))
+  plain = jax.jit(lambda x, c: gdp_jax.gated_delta_product_decode(**x, state=c, **kw))
+  tol = RTOL[dtype]
+  state_tol = 1e-5 if dtype == "float32" else 1e-2
+  counts_of = lambda shift: np.where(slots < 0, 7 * D, (np.arange(N) + shift) % (D + 1))
+
+  ring0 = empty_ring(S, D, M, H, HV, K, V, a["k"].dtype)
+  o1, state1, ring1 = step(xa, jnp.copy(cache), tuple(map(jnp.copy, ring0)),
+                           jnp.asarray(counts_of(0) * 0, jnp.int32))
+  o_ref = reference.gated_delta_product_decode(**_upcast(xa), num_householder=M,
+                                               state=_upcast(cache), state_indices=slots)[0]
+  assert_close("o (first step)", o_ref, o1, tol)
+  assert bits_equal(state1, cache), "count 0 wrote the cache"
+  check_replay_ring(ring1, ring0, xa, slots, live)
+  for shift in range(D + 1):
+    counts = jnp.asarray(counts_of(shift), jnp.int32)
+    o2, state2, ring2 = step(b, jnp.copy(state1), tuple(map(jnp.copy, ring1)), counts)
+    start = _start_states(a, D, M, np.asarray(counts))
+    o_ref = reference.gated_delta_product_decode(**_upcast(b), num_householder=M, state=start,
+                                                 state_indices=slots)[0]
+    assert np.all(np.asarray(o2, np.float32)[slots < 0] == 0)
+    assert_close(f"o (shift {shift})", o_ref, o2, tol)
+    assert_close(f"checkpoints (shift {shift})", np.asarray(start)[live],
+                 np.asarray(state2)[live], state_tol)
+    assert bits_equal(np.asarray(state2)[~live], np.asarray(cache)[~live])
+    check_replay_ring(ring2, ring1, b, slots, live)
+    # The step is the commit followed by a plain step, bit for bit.
+    committed = commit(jnp.copy(state1), ring1, counts)
+    o_plain, _ = plain(b, committed)
+    assert bits_equal(committed, state2) and bits_equal(o_plain, o2)
+    # Ending speculation: fold the accepted tokens of step two into the cache.
+    counts2 = counts_of(shift + 1)
+    state3 = commit(jnp.copy(state2), ring2, jnp.asarray(counts2, jnp.int32))
+    want = _start_states(dict(b, state=start, state_indices=a["state_indices"]), D, M, counts2)
+    assert_close(f"committed state (shift {shift})", np.asarray(want)[live],
+                 np.asarray(state3)[live], state_tol)
+    assert bits_equal(np.asarray(state3)[~live], np.asarray(cache)[~live])
+
+
+REPLAY_CASES = [(3, 3, 2, 1, 2, 8, 8, 5, "float32"), (4, 2, 1, 2, 4, 16, 8, 6, "bfloat16"),
+                (3, 2, 3, 1, 1, 8, 16, 4, "float32")]
+
+
+@pytest.mark.parametrize("case", REPLAY_CASES, ids=_case_id)
+def test_replay_step_equals_accepted_tokens_then_new(case):
+  check_replay(*case, backend=KERNEL_BACKEND)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", [(64, 4, 2, 16, 32, 128, 128, 80, "float32"),
+                                  (16, 3, 3, 6, 6, 256, 512, 20, "bfloat16")],
+                         ids=_case_id)
+def test_replay_step_equals_accepted_tokens_then_new_gpu(case):
+  check_replay(*case, backend="triton", seed=3)
+
+
+@pytest.mark.parametrize("spt,beta,l2norm", [(1, "elem", True), (2, "head", False)])
+def test_fused_recurrent_replay(spt, beta, l2norm):
+  """The fused recurrent entry point with a ring (g per recurrence step, element-wise beta)
+  against its reference twin, then commit_replay of the new ring; slot -1 is padding."""
+  B, T, H, HV, K, V, S = 3, 4, 1, 2, 16, 8, 5
+  rng = np.random.default_rng(spt)
+  unit = lambda x: x / np.linalg.norm(x, axis=-1, keepdims=True)
+  bshape = lambda lead: lead + ((HV, V) if beta == "elem" else (HV,))
+  x = dict(q=rng.standard_normal((B, T, H, K)), k=unit(rng.standard_normal((B, T, H, K))),
+           v=rng.standard_normal((B, T, HV, V)), g=-rng.exponential(0.5, (B, T, HV)),
+           beta=rng.uniform(0, 2, bshape((B, T))))
+  x = {n: jnp.asarray(y, jnp.float32) for n, y in x.items()}
+  ring = (unit(rng.standard_normal((S, T, H, K))), rng.standard_normal((S, T, HV, V)),
+          -rng.exponential(0.5, (S, T, HV)), rng.uniform(0, 2, bshape((S, T))))
+  ring = tuple(jnp.asarray(r, jnp.float32) for r in ring)
+  slots = jnp.asarray([4, -1, 1], jnp.int32)
+  live = np.isin(np.arange(S), [4, 1])
+  cache = jnp.asarray(np.where(live[:, None, None, None],
+                               rng.standard_normal((S, HV, K, V)), np.nan), jnp.float32)
+  counts = jnp.asarray([T // spt, 5, 1], jnp.int32)
+  kw = dict(state_indices=slots, num_accepted=counts, steps_per_token=spt,
+            use_qk_l2norm_in_kernel=l2norm)
+  o, state, new_ring = gdp_jax.fused_recurrent_gated_delta_rule(
+      **x, state=cache, replay_ring=ring, **kw, backend=KERNEL_BACKEND)
+  o_ref, state_ref, ring_ref = reference.fused_recurrent_gated_delta_rule(
+      **_upcast(x), state=_upcast(cache), replay_ring=_upcast(ring), **kw)
+  assert np.all(np.asarray(o)[1] == 0)
+  assert_close("o", o_ref, o, 1e-5)
+  assert_close("checkpoints", np.asarray(state_ref)[live], np.asarray(state)[live], 1e-5)
+  assert bits_equal(np.asarray(state)[~live], np.asarray(cache)[~live])
+  check_replay_ring(new_ring, ring, x, np.asarray(slots), live)
+  committed = gdp_jax.commit_replay(state, new_ring, slots, counts, steps_per_token=spt,
+                                    use_qk_l2norm_in_kernel=l2norm, backend=KERNEL_BACKEND)
+  want = reference.commit_replay(_upcast(state), _upcast(new_ring), slots, counts,
+                                 steps_per_token=spt, use_qk_l2norm_in_kernel=l2norm)
+  assert_close("committed", np.asarray(want)[live], np.asarray(committed)[live], 1e-5)
+  assert bits_equal(np.asarray(committed)[~live], np.asarray(cache)[~live])
+
+
+def check_replay_donation(N, D, M, H, HV, K, V, S, backend, donated):
+  """Under jax.jit with the cache and the ring donated, the step updates them in their own
+  buffers (`donated`: the names whose buffers must be kept)."""
+  a = gdp_inputs(N, D, M, H, HV, K, V, S, "float32", seed=21)
+  cache = jnp.nan_to_num(a["state"])
+  ring = tuple(jnp.nan_to_num(r) for r in empty_ring(S, D, M, H, HV, K, V, jnp.float32))
+  step = jax.jit(lambda x, c, r, n: gdp_jax.gated_delta_product_decode(
+      **x, num_householder=M, state=c, state_indices=a["state_indices"], num_accepted=n,
+      replay_ring=r, backend=backend), donate_argnums=(1, 2))
+  x = {n: a[n] for n in STEP_INPUTS}
+  ptrs = dict(state=cache.unsafe_buffer_pointer(),
+              **{f"ring {n}": r.unsafe_buffer_pointer() for n, r in zip(RING_INPUTS, ring)})
+  _, new_cache, new_ring = step(x, cache, ring, jnp.ones((N,), jnp.int32))
+  got = dict(state=new_cache.unsafe_buffer_pointer(),
+             **{f"ring {n}": r.unsafe_buffer_pointer() for n, r in zip(RING_INPUTS, new_ring)})
+  for name in donated:
+    assert got[name] == ptrs[name], f"the donated {name} was copied"
+
+
+def test_replay_donated_buffers_kept():
+  """On the CPU: XLA's scatter updates the donated ring in place whatever the backend, and the
+  reference twin's cache too. (The interpreter returns its outputs through a host callback,
+  which copies: the kernel's own in-place cache update is checked on the GPU.)"""
+  rings = [f"ring {n}" for n in RING_INPUTS]
+  check_replay_donation(3, 2, 2, 1, 2, 8, 8, 5, "reference", ["state"] + rings)
+  check_replay_donation(3, 2, 2, 1, 2, 8, 8, 5, KERNEL_BACKEND, rings)
+
+
+@pytest.mark.gpu
+def test_replay_donated_buffers_kept_gpu():
+  check_replay_donation(64, 4, 2, 16, 32, 128, 128, 80, "triton",
+                        ["state"] + [f"ring {n}" for n in RING_INPUTS])
+
+
+def test_replay_checks():
+  N, D, M, H, HV, K, V, S = 3, 2, 2, 1, 2, 8, 8, 4
+  a = gdp_inputs(N, D, M, H, HV, K, V, S, "float32", seed=0)
+  a.pop("intermediate_states")
+  ring = empty_ring(S, D, M, H, HV, K, V, jnp.float32)
+  slots = np.asarray(a["state_indices"])  # request N // 2 is padding
+  zeros = jnp.zeros((N,), jnp.int32)
+  call = lambda **kw: gdp_jax.gated_delta_product_decode(
+      **{**a, "num_accepted": zeros, "replay_ring": ring, **kw}, num_householder=M,
+      backend="reference")
+  call()
+  bad_k = (ring[0][:, :D],) + ring[1:]
+  with pytest.raises(ValueError, match=r"replay_ring\[0\] \(k\): expected \[S, D\*M, H, K\] = "
+                     r"\[4, 4, 1, 8\]"):
+    call(replay_ring=bad_k)
+  with pytest.raises(ValueError, match=r"replay_ring\[2\] \(g\): expected \[S, D, HV\] = \[4, 2, 2\]"):
+    call(replay_ring=ring[:2] + (ring[2][:, :1],) + ring[3:])
+  with pytest.raises(ValueError, match=r"replay_ring\[3\] \(beta\): expected None exactly"):
+    call(beta=None)
+  with pytest.raises(ValueError, match="replay_ring: expected a tuple"):
+    call(replay_ring=ring[:3])
+  with pytest.raises(ValueError, match="replay_ring: needs num_accepted"):
+    call(num_accepted=None)
+  with pytest.raises(ValueError, match="intermediate_states: not with replay_ring"):
+    call(intermediate_states=jnp.zeros((S, D, HV, K, V)))
+  for bad in (D + 1, -1):
+    counts = np.zeros(N, np.int32)
+    counts[0] = bad
+    with pytest.raises(ValueError, match=r"num_accepted: expected 0\.\.D = 0\.\.2"):
+      call(num_accepted=jnp.asarray(counts))
+  counts = np.zeros(N, np.int32)
+  counts[slots < 0] = 99  # a padding request may carry any count
+  call(num_accepted=jnp.asarray(counts))
+  with pytest.raises(ValueError, match="cu_seqlens: not with replay_ring"):
+    gdp_jax.fused_recurrent_gated_delta_rule(
+        a["q"].reshape(1, N * D, H, K), a["k"][:, ::M].reshape(1, N * D, H, K),
+        a["v"][:, ::M].reshape(1, N * D, HV, V), state=a["state"], num_accepted=zeros,
+        replay_ring=ring, cu_seqlens=jnp.arange(N + 1, dtype=jnp.int32) * D,
+        backend="reference")
+  commit = lambda ring=ring, counts=zeros, spt=M: gdp_jax.commit_replay(
+      a["state"], ring, a["state_indices"], counts, steps_per_token=spt, backend="reference")
+  commit()
+  with pytest.raises(ValueError, match=r"replay_ring\[1\] \(v\): expected \[S, R, HV, V\]"):
+    commit(ring=(ring[0], ring[1][:, :, :1]) + ring[2:])
+  with pytest.raises(ValueError, match="must be a multiple of steps_per_token = 3"):
+    commit(spt=3)
+  with pytest.raises(ValueError, match=r"num_accepted: expected 0\.\.D = 0\.\.2"):
+    commit(counts=jnp.asarray([3, 0, 0], jnp.int32))
+
+
 def test_num_accepted_checks():
   N, D, M, H, HV, K, V, S = 3, 2, 2, 1, 2, 8, 8, 4
   a = gdp_inputs(N, D, M, H, HV, K, V, S, "float32", seed=0)
