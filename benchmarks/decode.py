@@ -29,6 +29,11 @@ $OUT/decode.json as soon as it exists, tables go to stdout):
    (random counts in 1..D) and writes only the snapshots; the plain D = 1 step and fla-core's
    D-token step (no snapshots) beside them; both speculative paths checked bit for bit against
    each other.
+   (--parts replay) The checkpoint + replay step (`replay_ring`: replay the accepted ring tokens
+   into the cache slot, write the checkpoint, run the D new tokens with outputs only) at
+   N = 256, HV = 16, D in {1, 2, 4, 8}, random counts in 1..D, beside the `num_accepted` step
+   (snapshots), the plain D = 1 step and fla-core's D-token step; checked bit for bit against
+   `commit_replay` followed by the plain step, and against the jnp reference.
 6. A config sweep (BV x num_warps x num_stages through the decode entry point's `config`
    argument; --sweep-grid picks the grid, D too) at N = 256, 1, 8, HV = 16, D = 1, each config
    checked against
@@ -72,8 +77,9 @@ def parse_args():
                  help="stop starting rows after this many seconds")
   p.add_argument("--out", default=None, help="output folder (default $OUT or ./bench_out)")
   p.add_argument("--skip-fla", action="store_true")
-  p.add_argument("--parts", default="copy,first,main,bf16,spec,sweep",
-                 help="comma-separated subset of copy,first,main,bf16,spec,sweep,profile,launch "
+  p.add_argument("--parts", default="copy,first,main,bf16,spec,replay,sweep",
+                 help="comma-separated subset of copy,first,main,bf16,spec,replay,sweep,profile,"
+                      "launch "
                       "(e.g. 'copy,sweep' for a second call that only sweeps; 'profile' and "
                       "'launch' are not in the default)")
   p.add_argument("--shapes", default=None,
@@ -415,6 +421,85 @@ class Bench:
       del fla_step
     common.free_device_memory()
 
+  def replay_fn(self, steps=1):
+    """`steps` checkpoint + replay steps in one jit, cache and ring donated."""
+    jax, gdp_jax, M, backend = self.jax, self.gdp_jax, self.M, self.backend
+
+    def f(state, ring, q, k, v, g, beta, slots, num):
+      o = None
+      for _ in range(steps):
+        o, state, ring = gdp_jax.gated_delta_product_decode(
+            q, k, v, g, beta, num_householder=M, state=state, state_indices=slots,
+            num_accepted=num, replay_ring=ring, use_qk_l2norm_in_kernel=True, backend=backend)
+      return o, state, ring
+
+    return jax.jit(f, donate_argnums=(0, 1))
+
+  def replay_inputs(self, N, HV, D, S, seed):
+    """A step's inputs, a ring of S slots holding another step's inputs, counts in 1..D."""
+    x, state, slots, _ = self.inputs(N, HV, D, S, seed=seed)
+    other = self.inputs(S, HV, D, S, seed=seed + 1)[0]
+    ring = tuple(other[n] for n in ("k", "v", "g", "beta"))
+    num = self.jnp.asarray(self.np.random.default_rng(seed).integers(1, D + 1, N),
+                           self.jnp.int32)
+    return x, state, slots, ring, num
+
+  def replay_row(self, row):
+    """The checkpoint + replay step against the num_accepted step, at one (N, HV, D)."""
+    jnp, np, gdp_jax, M = self.jnp, self.np, self.gdp_jax, self.M
+    N, HV, D, S = row["N"], row["HV"], row["D"], row["S"]
+    x, state, slots, ring, num = self.replay_inputs(N, HV, D, S, seed=N + D)
+    xs = (x["q"], x["k"], x["v"], x["g"], x["beta"], slots)
+    o, new_state, _ = self.replay_fn()(self.copy(state), tuple(map(self.copy, ring)), *xs, num)
+    live = slots[:CHECK_ROWS]
+    # Bitwise: the replay step is commit_replay followed by the plain step.
+    committed = gdp_jax.commit_replay(state, ring, slots, num, steps_per_token=M,
+                                      use_qk_l2norm_in_kernel=True, backend=self.backend)
+    o_plain = self.step_fn(False)(self.copy(committed), None, *xs)[0]
+    same = lambda a, b: np.asarray(a).tobytes() == np.asarray(b).tobytes()
+    row["same_bits"] = same(o, o_plain) and same(new_state[live], committed[live])
+    f32 = lambda a: a.astype(jnp.float32)
+    ref_o, ref_state, _ = gdp_jax.gated_delta_product_decode(
+        f32(x["q"]), f32(x["k"]), f32(x["v"]), x["g"], f32(x["beta"]), num_householder=M,
+        state=state, state_indices=slots, num_accepted=num, replay_ring=tuple(map(f32, ring)),
+        use_qk_l2norm_in_kernel=True, backend="reference")
+    row["err_ref_o"] = common.rel_err(o, ref_o)
+    row["err_ref_state"] = common.rel_err(new_state[live], ref_state[live])
+    row["err_ref"] = common.worst(row["err_ref_o"], row["err_ref_state"])
+    del o, new_state, committed, o_plain, ref_o, ref_state
+    # Bytes per step: the state read and the checkpoint written, plus the ring rows read (the
+    # accepted ones) and written (all D*M): k, v, beta bf16, g float32 (counted once per row,
+    # an upper bound).
+    per_state = HV * self.K * self.V * 4
+    per_row = (self.H * self.K + HV * self.V + HV) * 2 + HV * 4
+    row["bytes_replay"] = N * 2 * per_state + (int(np.asarray(num).sum()) + N * D) * M * per_row
+    t = common.time_jax(self.run_chain(self.replay_fn(steps=self.loop_steps), state, ring, x,
+                                       slots, num))
+    row["replay_loop_ms"], row["replay_spread"] = t["ms"] / self.loop_steps, t["spread"]
+    row["replay_TBps"] = row["bytes_replay"] / (row["replay_loop_ms"] * 1e-3) / 1e12
+    del state, ring
+    common.free_device_memory()
+    # Today's num_accepted step (D snapshots written, one read) at the same shape.
+    x2, state, slots2, inter, num2 = self.spec_inputs(N, HV, D, S, seed=N + D)
+    t = common.time_jax(self.run_chain(self.spec_fn("num_accepted", steps=self.loop_steps),
+                                       state, inter, x2, slots2, num2))
+    row["snap_loop_ms"] = t["ms"] / self.loop_steps
+    del state, inter
+    common.free_device_memory()
+    x1, state1, slots1, _ = self.inputs(N, HV, 1, S, seed=5)
+    t = common.time_jax(self.run_chain(self.step_fn(False, steps=self.loop_steps), state1, None,
+                                       x1, slots1))
+    row["d1_loop_ms"] = t["ms"] / self.loop_steps
+    row["replay_over_d1"] = row["replay_loop_ms"] / row["d1_loop_ms"]
+    row["snap_over_d1"] = row["snap_loop_ms"] / row["d1_loop_ms"]
+    del state1
+    if self.fla is not None:
+      fla_step = self.fla_step_fn(x, self.inputs(N, HV, D, S, seed=6)[1], slots)
+      row["fla_graph_ms"] = common.time_torch_graph(fla_step, steps=self.loop_steps)
+      row["replay_over_fla_graph"] = row["replay_loop_ms"] / row["fla_graph_ms"]
+      del fla_step
+    common.free_device_memory()
+
   def sweep_shape(self, results, N, HV, D, bvs, warps, stages, budget):
     """Every (BV, num_warps, num_stages) at one shape: 16 steps from the same cache, against the
     reference. num_stages > 1 lets Triton pipeline the loads of the step loop (measured a loss
@@ -717,6 +802,17 @@ SPEC_COLS = [
 ]
 
 
+REPLAY_COLS = [
+    ("N", "N", "d"), ("HV", "HV", "d"), ("D", "D", "d"), ("S", "S", "d"),
+    ("replay_loop_ms", "replay", ".4f"), ("replay_TBps", "TB/s", ".2f"),
+    ("snap_loop_ms", "num_accepted", ".4f"), ("d1_loop_ms", "D=1", ".4f"),
+    ("replay_over_d1", "replay/D1", ".2f"), ("snap_over_d1", "snap/D1", ".2f"),
+    ("fla_graph_ms", "fla_graph", ".4f"), ("replay_over_fla_graph", "replay/fla", ".2f"),
+    ("same_bits", "same_bits", ""), ("err_ref_o", "err_ref_o", ".1e"),
+    ("err_ref_state", "err_ref_h", ".1e"), ("row_s", "row_s", ".1f"),
+]
+
+
 PROFILE_COLS = [
     ("N", "N", "d"), ("HV", "HV", "d"), ("D", "D", "d"), ("side", "side", ""),
     ("kernel_us", "kernels", ".2f"), ("span_us", "span", ".2f"),
@@ -797,6 +893,16 @@ def main():
                for N, HV, D, S, sdt in spec_shapes]
       common.print_table(f"speculative step (loop ms per step of {b.loop_steps} in one jit)",
                          srows, SPEC_COLS)
+
+    # Checkpoint + replay against the num_accepted step and fla-core, D = 1, 2, 4, 8.
+    if "replay" in parts:
+      replay_shapes = [(2, 2, 1, 3), (2, 2, 3, 3)] if b.smoke else [
+          (256, 16, D, 256) for D in (4, 1, 2, 8)]
+      rrows = [common.run_row(results, "replay", dict(N=N, HV=HV, D=D, S=S), b.replay_row,
+                              budget)
+               for N, HV, D, S in replay_shapes]
+      common.print_table(f"checkpoint + replay step (loop ms per step of {b.loop_steps} in one "
+                         "jit)", rrows, REPLAY_COLS)
 
     # Kernel profiles (--parts profile): at the --shapes rows, or N = 1, 8, 256 at HV = 16.
     if "profile" in parts:
