@@ -58,7 +58,8 @@ def fused_recurrent_fwd_kernel(
     inter_in,       # [S, NI, HV, K, V] per-draft-token snapshots    (STORE_INTERMEDIATE)
     state_indices,  # [N] int32 cache slot per sequence               (HAS_STATE_INDICES)
     cu_seqlens,     # [N+1] int32 sequence starts, B == 1             (IS_VARLEN)
-    num_accepted,   # [N] int32 draft tokens kept by the previous step   (HAS_NUM_ACCEPTED, HAS_REPLAY)
+    num_accepted,   # [N] int32 draft tokens kept by the previous step   (HAS_NUM_ACCEPTED,
+                    #                                                      HAS_REPLAY)
     ring_k,         # [S, NR, H, K] previous step's keys                  (HAS_REPLAY)
     ring_v,         # [S, NR, HV, V]                                      (HAS_REPLAY)
     ring_g,         # [S, NR // RING_G_STEPS, HV] log decays              (HAS_REPLAY, USE_G)
@@ -137,20 +138,25 @@ def fused_recurrent_fwd_kernel(
       # the ring.
       n_acc = tl.minimum(tl.maximum(tl.load(num_accepted + i_n).to(tl.int64), 0),
                          NR // STEPS_PER_TOKEN)
+      # The token loop below without queries and outputs, over ring rows r of this slot.
       for s in range(0, n_acc * STEPS_PER_TOKEN):
         r = slot * NR + s
-        b_g = 0.
+        b_k = tl.load(ring_k + (r * H + i_h) * K + o_k, mask=mask_k, other=0.).to(tl.float32)
+        b_v = tl.load(ring_v + (r * HV + i_hv) * V + o_v, mask=mask_v, other=0.).to(tl.float32)
+        if USE_QK_L2NORM:
+          b_k = l2norm_rows(b_k)
         if USE_G:
-          # Rows between two decays (the M - 1 later copies of a token) decay by exp(0).
+          # Rows between two decays (the M - 1 later copies of a token) decay by exp(0) = 1.
           b_g = tl.load(ring_g + (slot * (NR // RING_G_STEPS) + s // RING_G_STEPS) * HV + i_hv)
-          b_g = tl.where(s % RING_G_STEPS == 0, b_g.to(tl.float32), 0.)
-        if IS_BETA_HEADWISE:
-          p_beta = ring_beta + r * HV + i_hv
-        else:
-          p_beta = ring_beta + (r * HV + i_hv) * V
-        b_h = _delta_step(b_h, ring_k + (r * H + i_h) * K, ring_v + (r * HV + i_hv) * V, p_beta,
-                          b_g, o_k, o_v, mask_k, mask_v, USE_G, USE_BETA, IS_BETA_HEADWISE,
-                          USE_QK_L2NORM)
+          b_h *= tl.exp(tl.where(s % RING_G_STEPS == 0, b_g.to(tl.float32), 0.))
+        b_v -= tl.sum(b_h * b_k[:, None], 0)
+        if USE_BETA:
+          if IS_BETA_HEADWISE:
+            b_v *= tl.load(ring_beta + r * HV + i_hv).to(tl.float32)
+          else:
+            b_v *= tl.load(ring_beta + (r * HV + i_hv) * V + o_v, mask=mask_v,
+                           other=0.).to(tl.float32)
+        b_h += b_k[:, None] * b_v[None, :]
       if n_acc > 0:
         tl.store(state_out + p_state, b_h.to(state_out.dtype.element_ty), mask=mask_h)
         # The new tokens start from the checkpoint as stored, so that this step equals the
@@ -172,19 +178,22 @@ def fused_recurrent_fwd_kernel(
 
   for s in range(0, eos - bos):
     t = bos + s
-    b_g = 0.
-    if USE_G:
-      b_g = tl.load(g + t * HV + i_hv).to(tl.float32)
-    if IS_BETA_HEADWISE:
-      p_beta = beta + t * HV + i_hv
-    else:
-      p_beta = beta + (t * HV + i_hv) * V
-    b_h = _delta_step(b_h, k + (t * H + i_h) * K, v + (t * HV + i_hv) * V, p_beta, b_g, o_k,
-                      o_v, mask_k, mask_v, USE_G, USE_BETA, IS_BETA_HEADWISE, USE_QK_L2NORM)
     b_q = tl.load(q + (t * H + i_h) * K + o_k, mask=mask_k, other=0.).to(tl.float32)
+    b_k = tl.load(k + (t * H + i_h) * K + o_k, mask=mask_k, other=0.).to(tl.float32)
+    b_v = tl.load(v + (t * HV + i_hv) * V + o_v, mask=mask_v, other=0.).to(tl.float32)
     if USE_QK_L2NORM:
       b_q = l2norm_rows(b_q)
+      b_k = l2norm_rows(b_k)
     b_q = b_q * scale
+    if USE_G:
+      b_h *= tl.exp(tl.load(g + t * HV + i_hv).to(tl.float32))
+    b_v -= tl.sum(b_h * b_k[:, None], 0)
+    if USE_BETA:
+      if IS_BETA_HEADWISE:
+        b_v *= tl.load(beta + t * HV + i_hv).to(tl.float32)
+      else:
+        b_v *= tl.load(beta + (t * HV + i_hv) * V + o_v, mask=mask_v, other=0.).to(tl.float32)
+    b_h += b_k[:, None] * b_v[None, :]
     b_o = tl.sum(b_h * b_q[:, None], 0)
     tl.store(o + (t * HV + i_hv) * V + o_v, b_o.to(o.dtype.element_ty), mask=mask_v)
     if STORE_INTERMEDIATE:
@@ -203,25 +212,3 @@ def fused_recurrent_fwd_kernel(
   elif STORE_FINAL_STATE:
     tl.store(ht + (i_n.to(tl.int64) * HV + i_hv) * K * V + p_kv, b_h, mask=mask_h)
 
-
-@triton.jit
-def _delta_step(b_h, p_k, p_v, p_beta, b_g, o_k, o_v, mask_k, mask_v, USE_G: tl.constexpr,
-                USE_BETA: tl.constexpr, IS_BETA_HEADWISE: tl.constexpr,
-                USE_QK_L2NORM: tl.constexpr):
-  """One step of the recurrence on the [BK, BV] tile b_h: decay by exp(b_g), then the rank-1
-  update from the key row at p_k, the value row at p_v and beta at p_beta (a scalar, or a row
-  of V). The verify step's tokens and the replay of the ring both run through it."""
-  b_k = tl.load(p_k + o_k, mask=mask_k, other=0.).to(tl.float32)
-  b_v = tl.load(p_v + o_v, mask=mask_v, other=0.).to(tl.float32)
-  if USE_QK_L2NORM:
-    b_k = l2norm_rows(b_k)
-  if USE_G:
-    b_h *= tl.exp(b_g)
-  b_v -= tl.sum(b_h * b_k[:, None], 0)
-  if USE_BETA:
-    if IS_BETA_HEADWISE:
-      b_v *= tl.load(p_beta).to(tl.float32)
-    else:
-      b_v *= tl.load(p_beta + o_v, mask=mask_v, other=0.).to(tl.float32)
-  b_h += b_k[:, None] * b_v[None, :]
-  return b_h

@@ -339,8 +339,8 @@ def check_replay_ring(ring, old, x, slots, live):
   old ring's bits."""
   for name, r, r_old in zip(RING_INPUTS, ring, old):
     assert r.dtype == r_old.dtype and r.shape == r_old.shape, name
-    assert bits_equal(np.asarray(r)[slots[slots >= 0]],
-                      np.asarray(x[name].astype(r.dtype))[slots >= 0]), f"ring {name}: not the step's"
+    step_rows = np.asarray(x[name].astype(r.dtype))[slots >= 0]
+    assert bits_equal(np.asarray(r)[slots[slots >= 0]], step_rows), f"ring {name}: not the step's"
     assert bits_equal(np.asarray(r)[~live], np.asarray(r_old)[~live]), f"ring {name}: slot changed"
 
 
@@ -509,7 +509,8 @@ def test_replay_checks():
   with pytest.raises(ValueError, match=r"replay_ring\[0\] \(k\): expected \[S, D\*M, H, K\] = "
                      r"\[4, 4, 1, 8\]"):
     call(replay_ring=bad_k)
-  with pytest.raises(ValueError, match=r"replay_ring\[2\] \(g\): expected \[S, D, HV\] = \[4, 2, 2\]"):
+  with pytest.raises(ValueError,
+                     match=r"replay_ring\[2\] \(g\): expected \[S, D, HV\] = \[4, 2, 2\]"):
     call(replay_ring=ring[:2] + (ring[2][:, :1],) + ring[3:])
   with pytest.raises(ValueError, match=r"replay_ring\[3\] \(beta\): expected None exactly"):
     call(beta=None)
