@@ -5,7 +5,8 @@ time per call, for the rows of benchmarks/train.py on the same inputs (train.sha
 train.host_inputs: bf16, logsigmoid decays, beta in (0, 1), L2-normalised q and k inside the op).
 
 With --variants, each row also runs the backward under other block configs
-(gdp_jax._prefill_bwd.BwdConfig fields, e.g. "h_bv=64;h_bv=16,wy_warps=8"), profiled the same way.
+(gdp_jax._prefill_bwd.BwdConfig fields, e.g. "h_bv=64;h_bv=16,wy_warps=8;h_split=4": the
+reverse state pass in 4 pieces per sequence), profiled the same way.
 
 Usage (GPU, repository root on PYTHONPATH):
   python3 benchmarks/train_profile.py [--rows 0,4] [--variants "h_bv=64;wy_warps=8"] [--top 16]

@@ -241,7 +241,7 @@ def _backward(q, k, v, g, beta, initial_state, cu_seqlens, res, do, dht, static)
       backend=backend, num_warps=cfg.wy_warps, num_stages=2,
       H=H, HV=HV, K=K, V=V, M=M, BT=BT, BK=_BK, BV=_BV, USE_G=use_g, DOT_PRECISION=prec)
 
-  # The reverse state pass. Split into pieces (docs/algorithm.md §13.3), it runs three times:
+  # The reverse state pass. Split into pieces (docs/algorithm.md §13.3), it takes three steps:
   # the summary launch maps the dS leaving each piece 1..P-1 to the dS entering it (columns
   # [Pi | E]), _piece_states chains the maps from the last piece back, and the walk runs every
   # piece from the dS leaving it. Unsplit, the walk starts from dht alone.
