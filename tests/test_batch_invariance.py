@@ -27,29 +27,36 @@ def _requests(rng, N, D, M, H, HV, K, V, dtype):
               beta=jnp.asarray(rng.uniform(0, 2, (N, D * M, HV)), dt))
 
 
-def check_decode_invariance(N, positions, D, M, H, HV, K, V, dtype, backend, spec=False):
+RING = ("k", "v", "g", "beta")
+
+
+def check_decode_invariance(N, positions, D, M, H, HV, K, V, dtype, backend, spec=False,
+                            replay=False):
   """The request alone, then at each of `positions` in a batch of N random requests (one of
   them -1 padding, slots a random permutation of a larger cache): bitwise equal. With D > 1 the
   step keeps snapshots; with `spec` it also starts from the previous step's snapshot
-  (num_accepted)."""
+  (num_accepted); with `replay` it replays its accepted ring tokens instead (no snapshots)."""
   rng = np.random.default_rng(N * 7 + D)
   mine = _requests(rng, 1, D, M, H, HV, K, V, dtype)
   my_state = rng.standard_normal((HV, K, V)).astype(np.float32)
   my_snaps = rng.standard_normal((D, HV, K, V)).astype(np.float32)
+  my_ring = _requests(rng, 1, D, M, H, HV, K, V, dtype)
   my_count = D - 1 if D > 1 else 1
   kw = dict(num_householder=M, use_qk_l2norm_in_kernel=True, backend=backend)
 
-  def run(x, state, slots, snaps, counts):
+  def run(x, state, slots, snaps, counts, ring):
     extra = {}
-    if D > 1:
+    if replay:
+      extra["replay_ring"] = tuple(ring[n] for n in RING)
+    elif D > 1:
       extra["intermediate_states"] = jnp.asarray(snaps)
-    if spec:
+    if spec or replay:
       extra["num_accepted"] = jnp.asarray(counts, jnp.int32)
     out = gdp_jax.gated_delta_product_decode(
         **x, state=jnp.asarray(state), state_indices=jnp.asarray(slots, jnp.int32), **extra, **kw)
-    return [np.asarray(a) for a in out]
+    return [np.asarray(a) for a in out[:2 if replay else 3]]
 
-  alone = run(mine, my_state[None], [0], my_snaps[None], [my_count])
+  alone = run(mine, my_state[None], [0], my_snaps[None], [my_count], my_ring)
   for p in positions:
     S = N + 3
     x = {n: a.at[p].set(mine[n][0])
@@ -62,17 +69,23 @@ def check_decode_invariance(N, positions, D, M, H, HV, K, V, dtype, backend, spe
     snaps[slots[p]] = my_snaps
     counts = rng.integers(0, D + 1, N)
     counts[p] = my_count
-    got = run(x, state, slots, snaps, counts)
+    ring = {n: a.at[slots[p]].set(my_ring[n][0])
+            for n, a in _requests(rng, S, D, M, H, HV, K, V, dtype).items()}
+    got = run(x, state, slots, snaps, counts, ring)
     s = slots[p]
     assert bits_equal(got[0][p], alone[0][0]), f"o differs at position {p} of {N}"
     assert bits_equal(got[1][s], alone[1][0]), f"state differs at position {p} of {N}"
-    if D > 1:
+    if D > 1 and not replay:
       assert bits_equal(got[2][s], alone[2][0]), f"snapshots differ at position {p} of {N}"
 
 
 @pytest.mark.parametrize("D,spec", [(1, False), (3, False), (3, True)])
 def test_decode_batch_invariance(D, spec):
   check_decode_invariance(5, (0, 3), D, 2, 1, 2, 8, 24, "float32", KERNEL_BACKEND, spec=spec)
+
+
+def test_replay_batch_invariance():
+  check_decode_invariance(5, (0, 3), 3, 2, 1, 2, 8, 24, "float32", KERNEL_BACKEND, replay=True)
 
 
 @pytest.mark.gpu
@@ -82,6 +95,13 @@ def test_decode_batch_invariance(D, spec):
 def test_decode_batch_invariance_gpu(N, D, spec, dtype):
   check_decode_invariance(N, sorted({0, N // 2, N - 1}), D, 2, 16, 16, 128, 128, dtype,
                           "triton", spec=spec)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("N", [2, 64, 256])
+def test_replay_batch_invariance_gpu(N):
+  check_decode_invariance(N, sorted({0, N // 2, N - 1}), 4, 2, 16, 16, 128, 128, "float32",
+                          "triton", replay=True)
 
 
 def _sequence(rng, L, M, H, HV, K, V):
