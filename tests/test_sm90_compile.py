@@ -32,6 +32,8 @@ CASES = [("prefill", "bfloat16", 256, 512, 2), ("prefill", "float32", 256, 512, 
          ("prefill", "float32", 128, 128, 16),
          ("decode", "bfloat16", 256, 512, 4), ("decode", "float32", 256, 512, 4),
          ("speculative", "bfloat16", 256, 512, 4),
+         ("replay", "bfloat16", 256, 512, 4), ("replay", "float32", 128, 128, 4),
+         ("commit", "bfloat16", 256, 512, 4),
          ("train", "bfloat16", 256, 512, 2), ("train", "float32", 256, 512, 2),
          ("train", "bfloat16", 128, 128, 16), ("train", "float32", 128, 128, 16),
          ("train", "bfloat16", 128, 128, 1), ("train", "float32", 256, 512, 1)]
@@ -81,6 +83,23 @@ def _record_launches(what, dtype, K, V, N):
       return jnp.sum(o.astype(f32)) + jnp.sum(ht)
 
     run = jax.grad(loss, argnums=tuple(range(6)))
+  elif what in ("replay", "commit"):
+    D = 3
+    ring = (sds((S, D * M, H, K), dt), sds((S, D * M, HV, V), dt), sds((S, D, HV), f32),
+            sds((S, D * M, HV), dt))
+    args = (sds((N, D, H, K), dt), sds((N, D * M, H, K), dt), sds((N, D * M, HV, V), dt),
+            sds((N, D, HV), f32), sds((N, D * M, HV), dt), sds((S, HV, K, V), f32),
+            sds((N,), jnp.int32), ring, sds((N,), jnp.int32))
+
+    def run(q, k, v, g, beta, state, idx, ring, accepted):
+      # "replay": the checkpoint + replay step; "commit": the replay alone.
+      if what == "commit":
+        return gdp_jax.commit_replay(state, ring, idx, accepted, steps_per_token=M,
+                                     use_qk_l2norm_in_kernel=True, backend="triton")
+      return gdp_jax.gated_delta_product_decode(
+          q, k, v, g, beta, num_householder=M, state=state, state_indices=idx,
+          num_accepted=accepted, replay_ring=ring, use_qk_l2norm_in_kernel=True,
+          backend="triton")
   else:
     D = 3
     args = (sds((N, D, H, K), dt), sds((N, D * M, H, K), dt), sds((N, D * M, HV, V), dt),
