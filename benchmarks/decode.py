@@ -33,7 +33,8 @@ $OUT/decode.json as soon as it exists, tables go to stdout):
    into the cache slot, write the checkpoint, run the D new tokens with outputs only) at
    N = 256, HV = 16, D in {1, 2, 4, 8}, random counts in 1..D, beside the `num_accepted` step
    (snapshots), the plain D = 1 step and fla-core's D-token step; checked bit for bit against
-   `commit_replay` followed by the plain step, and against the jnp reference.
+   `commit_replay` followed by the plain step, and against the jnp reference. `--replay-configs
+   8x1x1,16x1x2` adds replay rows under other kernel configs (BV x warps x stages).
 6. A config sweep (BV x num_warps x num_stages through the decode entry point's `config`
    argument; --sweep-grid picks the grid, D too) at N = 256, 1, 8, HV = 16, D = 1, each config
    checked against
@@ -87,6 +88,9 @@ def parse_args():
   p.add_argument("--sweep-grid", default=None,
                  help="the sweep's grid as 'N=256,1,8;D=1;BV=8,16,32,64;warps=1,2,4,8;stages=1' "
                       "(any subset; the rest keep these defaults)")
+  p.add_argument("--replay-configs", default="",
+                 help="extra kernel configs for the replay rows, as BVxWARPSxSTAGES items, "
+                      "comma-separated (e.g. 8x1x1,16x1x2); each adds a timed replay row per D")
   return p.parse_args()
 
 
@@ -421,8 +425,9 @@ class Bench:
       del fla_step
     common.free_device_memory()
 
-  def replay_fn(self, steps=1):
-    """`steps` checkpoint + replay steps in one jit, cache and ring donated."""
+  def replay_fn(self, steps=1, config=None):
+    """`steps` checkpoint + replay steps in one jit, cache and ring donated; `config` overrides
+    the kernel's DecodeConfig (None: the library's)."""
     jax, gdp_jax, M, backend = self.jax, self.gdp_jax, self.M, self.backend
 
     def f(state, ring, q, k, v, g, beta, slots, num):
@@ -430,7 +435,8 @@ class Bench:
       for _ in range(steps):
         o, state, ring = gdp_jax.gated_delta_product_decode(
             q, k, v, g, beta, num_householder=M, state=state, state_indices=slots,
-            num_accepted=num, replay_ring=ring, use_qk_l2norm_in_kernel=True, backend=backend)
+            num_accepted=num, replay_ring=ring, use_qk_l2norm_in_kernel=True, config=config,
+            backend=backend)
       return o, state, ring
 
     return jax.jit(f, donate_argnums=(0, 1))
@@ -445,17 +451,24 @@ class Bench:
     return x, state, slots, ring, num
 
   def replay_row(self, row):
-    """The checkpoint + replay step against the num_accepted step, at one (N, HV, D)."""
+    """The checkpoint + replay step against the num_accepted step, at one (N, HV, D); a row
+    with a `cfg` (BV, warps, stages) times the replay step alone under that kernel config."""
     jnp, np, gdp_jax, M = self.jnp, self.np, self.gdp_jax, self.M
     N, HV, D, S = row["N"], row["HV"], row["D"], row["S"]
+    cfg = None
+    if row.get("cfg"):
+      BV, w, ns = (int(a) for a in row["cfg"].split("x"))
+      cfg = self.configs.DecodeConfig(BV=BV, num_warps=w, num_stages=ns)
     x, state, slots, ring, num = self.replay_inputs(N, HV, D, S, seed=N + D)
     xs = (x["q"], x["k"], x["v"], x["g"], x["beta"], slots)
-    o, new_state, _ = self.replay_fn()(self.copy(state), tuple(map(self.copy, ring)), *xs, num)
+    o, new_state, _ = self.replay_fn(config=cfg)(self.copy(state), tuple(map(self.copy, ring)),
+                                                 *xs, num)
     live = slots[:CHECK_ROWS]
-    # Bitwise: the replay step is commit_replay followed by the plain step.
+    # Bitwise: the replay step is commit_replay followed by the plain step (same config).
     committed = gdp_jax.commit_replay(state, ring, slots, num, steps_per_token=M,
-                                      use_qk_l2norm_in_kernel=True, backend=self.backend)
-    o_plain = self.step_fn(False)(self.copy(committed), None, *xs)[0]
+                                      use_qk_l2norm_in_kernel=True, config=cfg,
+                                      backend=self.backend)
+    o_plain = self.step_fn(False, config=cfg)(self.copy(committed), None, *xs)[0]
     same = lambda a, b: np.asarray(a).tobytes() == np.asarray(b).tobytes()
     row["same_bits"] = same(o, o_plain) and same(new_state[live], committed[live])
     f32 = lambda a: a.astype(jnp.float32)
@@ -473,12 +486,14 @@ class Bench:
     per_state = HV * self.K * self.V * 4
     per_row = (self.H * self.K + HV * self.V + HV) * 2 + HV * 4
     row["bytes_replay"] = N * 2 * per_state + (int(np.asarray(num).sum()) + N * D) * M * per_row
-    t = common.time_jax(self.run_chain(self.replay_fn(steps=self.loop_steps), state, ring, x,
-                                       slots, num))
+    t = common.time_jax(self.run_chain(self.replay_fn(steps=self.loop_steps, config=cfg), state,
+                                       ring, x, slots, num))
     row["replay_loop_ms"], row["replay_spread"] = t["ms"] / self.loop_steps, t["spread"]
     row["replay_TBps"] = row["bytes_replay"] / (row["replay_loop_ms"] * 1e-3) / 1e12
     del state, ring
     common.free_device_memory()
+    if cfg is not None:
+      return
     # Today's num_accepted step (D snapshots written, one read) at the same shape.
     x2, state, slots2, inter, num2 = self.spec_inputs(N, HV, D, S, seed=N + D)
     t = common.time_jax(self.run_chain(self.spec_fn("num_accepted", steps=self.loop_steps),
@@ -803,7 +818,7 @@ SPEC_COLS = [
 
 
 REPLAY_COLS = [
-    ("N", "N", "d"), ("HV", "HV", "d"), ("D", "D", "d"), ("S", "S", "d"),
+    ("N", "N", "d"), ("HV", "HV", "d"), ("D", "D", "d"), ("S", "S", "d"), ("cfg", "cfg", "s"),
     ("replay_loop_ms", "replay", ".4f"), ("replay_TBps", "TB/s", ".2f"),
     ("snap_loop_ms", "num_accepted", ".4f"), ("d1_loop_ms", "D=1", ".4f"),
     ("replay_over_d1", "replay/D1", ".2f"), ("snap_over_d1", "snap/D1", ".2f"),
@@ -898,9 +913,10 @@ def main():
     if "replay" in parts:
       replay_shapes = [(2, 2, 1, 3), (2, 2, 3, 3)] if b.smoke else [
           (256, 16, D, 256) for D in (4, 1, 2, 8)]
-      rrows = [common.run_row(results, "replay", dict(N=N, HV=HV, D=D, S=S), b.replay_row,
-                              budget)
-               for N, HV, D, S in replay_shapes]
+      cfgs = [""] + list(filter(None, args.replay_configs.split(",")))
+      rrows = [common.run_row(results, "replay", dict(N=N, HV=HV, D=D, S=S, cfg=c),
+                              b.replay_row, budget)
+               for c in cfgs for N, HV, D, S in replay_shapes]
       common.print_table(f"checkpoint + replay step (loop ms per step of {b.loop_steps} in one "
                          "jit)", rrows, REPLAY_COLS)
 
