@@ -4,7 +4,8 @@ Also the training path (jax.vjp through the sharded prefill: forward bitwise, gr
 float32 tolerance, no collective in the compiled gradient but the documented key-head sum), and
 the example model of examples/sharded_lm.py on 2- and 4-device meshes: its SGD step equals the
 one-device step and lowers the loss, its serving engine (packed prefill, speculative decode
-from the accepted snapshots) generates the same tokens and leaves the same caches, bit for bit.
+from the accepted snapshots) generates the same tokens and leaves the same caches (within a few
+float32 ulp: ENGINE_RTOL).
 
 The CPU cases need 4 host devices, i.e. XLA_FLAGS=--xla_force_host_platform_device_count=4 before
 jax creates its CPU backend; conftest.py has created it by the time this file is collected, so
@@ -67,6 +68,13 @@ MODEL_CASES = (
     "engine-data2-heads2",
 )
 CHILD_TIMEOUT_S = 420
+# The sharded engine against the one-device engine: two XLA programs, whose fusions may round
+# differently although every device computes what one device does outside the op (the
+# projections whole, examples/sharded_lm.py). On 4 CPU devices the caches came out bit for bit
+# with jax 0.10.2 and 0.11.2, and with jax 0.12 up to 7.9e-8 apart (relative, heads over 2
+# devices; the same run with XLA's fusion pass disabled is bit for bit). 1e-6 is a few float32
+# ulp (one ulp: 6e-8 to 1.2e-7 relative); a wrong slot, head or snapshot is off by O(1).
+ENGINE_RTOL = 1e-6
 
 
 # --------------------------------------------------------------------------------------------
@@ -498,10 +506,12 @@ def _child_main(backend):
       return "prefill calls, accepted counts or slot trace differ from the unsharded engine"
     if set(stats["accepted"]) != {1, 2, 3}:
       return f"drafts were not both rejected and accepted: {stats['accepted']}"
-    # The caches after the run, every slot and snapshot, bit for bit.
+    # The caches after the run, every slot and snapshot, within ENGINE_RTOL.
     for i, (r, o) in enumerate(zip(jax.tree.leaves(ref_caches), jax.tree.leaves(engine.caches))):
-      if not bits_equal(r, o):
-        return f"cache leaf {i} differs from the unsharded engine's (rel. {err_ratio(r, o):.2e})"
+      e = err_ratio(r, np.asarray(o))  # NaN fails too
+      if not e <= ENGINE_RTOL:
+        return (f"cache leaf {i}: relative error {e:.3e} to the unsharded engine's "
+                f"> {ENGINE_RTOL:.0e}")
     spec = engine.caches[0].state.sharding.spec
     if tuple(spec) != ("data", "model"):
       return f"the state cache came back as {spec}"
