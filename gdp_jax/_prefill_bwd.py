@@ -56,23 +56,25 @@ class BwdConfig(NamedTuple):
   BV 64 against 527 at 32 and 982 at 16 (row 0); at K = 256, 1724 us at BV 32 against 2594 at
   16. chunk_o_bwd, once it read each state tile once (h and dS in bf16, <S, dS> as a product):
   399 us at 4 warps against 632 at 8 (row 0; before that change 8 warps won, 713 against 806).
-  chunk_wy_bwd: 356 us at 4 warps, 597 at 8. With few programs (a long sequence, few heads: fewer
-  than h_min_programs at h_bv, the forward scan's rule) the sequential chain sets the pace and
-  narrower blocks win: at B=1 T=8192 H=16 (32 programs at BV 64) 1062 us at 64, 862 at 32, 797 at 16.
+  chunk_wy_bwd: 356 us at 4 warps, 597 at 8.
+
+  With few programs (a long sequence, few heads) the walk's sequential chain sets the pace. At
+  B=1 T=8192 H=16 (32 programs at BV 64), chunk_h_bwd took 1062 us unsplit at BV 64, 862 at
+  32, 797 at 16; split into pieces (docs/algorithm.md §13.3) at BV 64 it took 502 us in 8
+  pieces and 600 in 4 (the two launches), at BV 32 in 4 pieces 755, at BV 16 in 2 pieces 953;
+  fwd+bwd 2.211 ms (8 pieces, BV 64) against 2.443 (unsplit, BV 16), the pieces' float32 chain
+  in XLA included (2026-12-01).
   """
   h_bv: int = 64          # K <= 128
-  h_bv_narrow: int = 16   # K <= 128 and fewer than h_min_programs programs at h_bv
-  h_min_programs: int = 66
   h_bv_big_k: int = 32    # K > 128 (four 64-row tiles of dS)
   h_warps: int = 4
-  # chunk_h_bwd's walk split into pieces per sequence (docs/algorithm.md §13.3, _h_pieces):
-  # h_split pieces when set (1: the unsplit walk), otherwise 1 while the walk has at least
-  # h_split_min_programs programs at the V block chosen above (half the H200's 132 SMs, the
-  # forward scan's rule), else enough pieces for h_split_programs programs (one per SM), at
-  # most h_split_max. Not measured yet: the split's defaults are a guess.
+  # chunk_h_bwd's walk split into pieces per sequence (_h_pieces): h_split pieces when set (1:
+  # the unsplit walk), otherwise 1 while the walk has at least h_split_min_programs programs
+  # (half the H200's 132 SMs, the forward scan's rule), else enough pieces for
+  # h_split_programs programs, at most h_split_max (8 pieces of 32 programs measured best).
   h_split: int = 0
   h_split_min_programs: int = 66
-  h_split_programs: int = 132
+  h_split_programs: int = 256
   h_split_max: int = 8
   o_warps: int = 4
   wy_warps: int = 4
@@ -162,12 +164,8 @@ def _qk_bwd(dy_v, x, cu, N, M, H, out_dtype, backend, cfg):
   return dx
 
 
-def _h_block_v(cfg: BwdConfig, N: int, HV: int, K: int, V: int) -> int:
-  if K > 128:
-    return cfg.h_bv_big_k
-  if N * HV * -(-V // cfg.h_bv) < cfg.h_min_programs:
-    return cfg.h_bv_narrow
-  return cfg.h_bv
+def _h_block_v(cfg: BwdConfig, K: int) -> int:
+  return cfg.h_bv if K <= 128 else cfg.h_bv_big_k
 
 
 def _h_pieces(cfg: BwdConfig, programs: int) -> int:
@@ -230,7 +228,7 @@ def _backward(q, k, v, g, beta, initial_state, cu_seqlens, res, do, dht, static)
   f32 = jnp.float32
   use_g = gx is not None
   cfg = static.config
-  bv = min(_h_block_v(cfg, N, HV, K, V), max(16, 1 << (V - 1).bit_length()))
+  bv = min(_h_block_v(cfg, K), max(16, 1 << (V - 1).bit_length()))
   nv = -(-V // bv)
   pieces = _h_pieces(cfg, N * HV * nv)
   (dv_local,) = _launch.call(

@@ -47,8 +47,8 @@ CASES = [
 ]
 GPU_CASES = [
     Case(B=2, T=600, H=4, HV=8, K=128, V=128, M=2, dtype="bfloat16", l2norm=True),
-    # Enough programs for the backward scan's wide V blocks (the two B=2 K=128 cases above and
-    # below take the narrow ones, the varlen bf16 case the wide).
+    # Enough programs for the backward scan unsplit (the B=2 K=128 cases above and below, and
+    # the varlen float32 one, walk it in pieces; the varlen bf16 case unsplit).
     Case(B=4, T=400, H=4, HV=16, K=128, V=128, M=3, dtype="float32", l2norm=True),
     Case(B=2, T=500, H=2, HV=4, K=256, V=512, M=2, dtype="bfloat16", l2norm=True),
     Case(B=2, T=500, H=2, HV=4, K=256, V=512, M=2, dtype="float32", l2norm=True),
@@ -186,14 +186,14 @@ def test_prefill_grads_gpu(c):
 
 
 def test_scan_block_widths_agree():
-  """The backward scan's narrow V blocks (few programs: every CPU case) and its wide ones give
-  the same gradients: columns of dS are independent, only the tiling differs."""
+  """The backward scan's V blocks at 16 and at 64 (the default) give the same gradients:
+  columns of dS are independent, only the tiling differs."""
   c = Case(T=100, HV=2, K=64, V=80, M=2, l2norm=True)
   x, cts, kw = make_inputs(c, 2)
   xk = _cast(c, x)
   # Unsplit (h_split=1), so that only the tiling differs.
-  narrow = grads(xk, cts, kw, KERNEL_BACKEND, _prefill_bwd.BwdConfig(h_split=1))
-  wide = grads(xk, cts, kw, KERNEL_BACKEND, _prefill_bwd.BwdConfig(h_min_programs=0, h_split=1))
+  narrow = grads(xk, cts, kw, KERNEL_BACKEND, _prefill_bwd.BwdConfig(h_bv=16, h_split=1))
+  wide = grads(xk, cts, kw, KERNEL_BACKEND, _prefill_bwd.BwdConfig(h_split=1))
   for n in x:
     assert err_ratio(np.asarray(narrow[n], f64), np.asarray(wide[n], f64)) < 1e-6, n
 
@@ -223,7 +223,8 @@ def test_split_rule():
   """Pieces only where the unsplit walk would leave most SMs idle; h_split overrides."""
   cfg = _prefill_bwd.BwdConfig()
   assert _prefill_bwd._h_pieces(cfg, 66) == 1
-  assert _prefill_bwd._h_pieces(cfg, 32) == 5          # 160 programs for 132 SMs
+  assert _prefill_bwd._h_pieces(cfg, 32) == 8          # B=1 H=16 K=V=128: 256 programs
+  assert _prefill_bwd._h_pieces(cfg, 48) == 6
   assert _prefill_bwd._h_pieces(cfg, 1) == cfg.h_split_max
   assert _prefill_bwd._h_pieces(cfg._replace(h_split=3), 512) == 3
   assert _prefill_bwd._h_pieces(cfg._replace(h_split=1), 1) == 1
@@ -232,11 +233,11 @@ def test_split_rule():
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_split_state_pass_gpu(dtype):
-  """One long sequence with few heads, the reverse state pass in 8 pieces at narrow (16, the
-  default here) and wide (64) V blocks: against the reference, and two runs bitwise equal."""
+  """One long sequence with few heads, the reverse state pass in 8 pieces at wide (64, the
+  default) and narrow (16) V blocks: against the reference, and two runs bitwise equal."""
   c = Case(B=1, T=4096, H=4, HV=4, K=128, V=128, M=2, dtype=dtype, l2norm=True)
   configs = [_prefill_bwd.BwdConfig(h_split=8),
-             _prefill_bwd.BwdConfig(h_split=8, h_min_programs=0)]
+             _prefill_bwd.BwdConfig(h_split=8, h_bv=16)]
   check_grads(c, "triton", configs=configs)
   x, cts, kw = make_inputs(c, 0)
   xk = _cast(c, x)
