@@ -352,6 +352,7 @@ KNOWN_IN_FILE = {
     ("sharding", "rows"): sharding_section,
     ("bf16_cache_error", "rows"): bf16_error_section,
     ("train", "rows"): train_section,
+    ("train_4af22e9", "rows"): train_section,   # every row, with jla, before the split pass
 }
 
 

@@ -350,7 +350,8 @@ def check_replay(N, D, M, H, HV, K, V, S, dtype, backend, seed=0):
   and equals the reference run on only those tokens of step one, then all of step two; its
   checkpoints are the states after the accepted tokens. commit_replay then folds a second set
   of counts of step two into the cache and equals the reference on those tokens. The replay
-  step is, bit for bit, commit_replay followed by a plain step. Padding outputs are 0, padding
+  step stores commit_replay's checkpoint bits, and its outputs are those of commit_replay
+  followed by a plain step (bit for bit in the interpreter, to rounding compiled). Padding outputs are 0, padding
   and unaddressed slots keep their bits (cache and ring). Under jax.jit with the cache and the
   ring donated."""
   a = gdp_inputs(N, D, M, H, HV, K, V, S, dtype, seed=seed)
@@ -391,10 +392,15 @@ def check_replay(N, D, M, H, HV, K, V, S, dtype, backend, seed=0):
                  np.asarray(state2)[live], state_tol)
     assert bits_equal(np.asarray(state2)[~live], np.asarray(cache)[~live])
     check_replay_ring(ring2, ring1, b, slots, live)
-    # The step is the commit followed by a plain step, bit for bit.
+    # The step is the commit followed by a plain step: the same checkpoint bits, and outputs
+    # to rounding (another compiled program: on the H200 at K=256 V=512 bf16 M=3 some bf16
+    # outputs came out one rounding apart; bitwise in the interpreter and at K=V=128 float32).
     committed = commit(jnp.copy(state1), ring1, counts)
     o_plain, _ = plain(b, committed)
-    assert bits_equal(committed, state2) and bits_equal(o_plain, o2)
+    assert bits_equal(committed, state2)
+    assert_close(f"o against commit + plain step (shift {shift})", o_plain, o2, tol)
+    if backend == "interpret":
+      assert bits_equal(o_plain, o2)
     # Ending speculation: fold the accepted tokens of step two into the cache.
     counts2 = counts_of(shift + 1)
     state3 = commit(jnp.copy(state2), ring2, jnp.asarray(counts2, jnp.int32))
