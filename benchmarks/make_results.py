@@ -29,6 +29,7 @@ import glob
 import json
 import math
 import os
+import re
 import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -352,8 +353,16 @@ KNOWN_IN_FILE = {
     ("sharding", "rows"): sharding_section,
     ("bf16_cache_error", "rows"): bf16_error_section,
     ("train", "rows"): train_section,
-    ("train_4af22e9", "rows"): train_section,   # every row, with jla, before the split pass
 }
+
+
+def writer(meta: dict) -> str | None:
+  """The benchmark script that wrote a result file ("train" for benchmarks/train.py), read from
+  its command, so that a file kept under another name (an earlier run) is tabulated alike."""
+  cmd = meta.get("command")
+  cmd = cmd[0] if isinstance(cmd, list) and cmd else cmd
+  m = re.search(r"benchmarks/(\w+)\.py", cmd) if isinstance(cmd, str) else None
+  return m.group(1) if m else None
 
 
 # --------------------------------------------------------------------------------------------
@@ -458,7 +467,8 @@ def render_file(path: str) -> list[str]:
     shown = [r for r in rows if not r.get("skipped")]
     out += ["", f"### {sec}", ""]
     try:
-      fn = KNOWN_IN_FILE.get((os.path.splitext(name)[0], sec)) or KNOWN.get(sec)
+      fn = (KNOWN_IN_FILE.get((os.path.splitext(name)[0], sec))
+            or KNOWN_IN_FILE.get((writer(meta), sec)) or KNOWN.get(sec))
       body = fn(shown, meta) if fn else generic_table(shown)
     except Exception as e:  # noqa: BLE001 - an unexpected row layout falls back to the generic table
       body = generic_table(shown) + ["", f"(tabulated generically: {type(e).__name__}: {e})"]
