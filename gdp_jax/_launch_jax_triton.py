@@ -13,7 +13,9 @@ Every quirk of jax-triton 0.3.1 lives here and nowhere else:
 * importing it sets TRITON_CACHE_DIR to "", which breaks Triton kernels launched from torch in
   the same process (the side-by-side benchmarks): the variable is put back after the import;
 * it emits the custom call `triton_kernel_call`, which jaxlib launches from the host on every
-  call and XLA does not capture into a CUDA graph (docs/performance.md, "Launch cost").
+  call and XLA does not capture into a CUDA graph (docs/performance.md, "Launch cost");
+* it compiles each kernel specialization (dtypes, constexprs, warps, stages) once per process, at
+  lowering, into a module-level dict, and never on disk: `compiled_kernels` counts them.
 """
 from __future__ import annotations
 
@@ -34,6 +36,13 @@ def _jax_triton():
     else:
       os.environ["TRITON_CACHE_DIR"] = before
   return sys.modules["jax_triton"]
+
+
+def compiled_kernels() -> int:
+  """How many Triton kernels jax-triton has compiled in this process (0 before its import):
+  what benchmarks read to tell the Triton compiles of a first call from XLA's."""
+  lib = sys.modules.get("jax_triton.triton_lib")
+  return len(lib._COMPILED_KERNEL_CACHE) if lib is not None else 0
 
 
 def run(spec: LaunchSpec, arrays):

@@ -5,6 +5,7 @@ notebooks see the package as installed here, whatever `python` comes first on PA
 performance notebook runs twice: without benchmark files (it must say so and plot nothing) and
 with small benchmark files in the benchmarks' JSON layout (it must plot).
 """
+import collections
 import datetime
 import json
 import pathlib
@@ -147,6 +148,12 @@ def test_performance_plots_results(run_notebook, tmp_path):
 def test_state_tracking(run_notebook):
   # The small configuration on any device (CI's; on a GPU its layer runs the Triton kernels
   # forward and backward): both trainings, M = 1 and M = 2, lower the loss, and the figure shows.
-  text, images = run_notebook("state_tracking.ipynb", {"GDP_STATE_TRACKING": "small"})
+  # JAX_LOG_COMPILES=1: the kernel logs every XLA compilation to its stderr, captured here.
+  text, images = run_notebook("state_tracking.ipynb",
+                              {"GDP_STATE_TRACKING": "small", "JAX_LOG_COMPILES": "1"})
   assert images == 1, text
   assert _checks(text, r"M=\d: loss [\d.]+ -> [\d.]+ .*; fell: (\w+)") == ["True", "True"], text
+  # One compilation per model of the training scan (every chunk of steps reuses it) and of the
+  # evaluation forward (every length is read off one long evaluation).
+  compiled = collections.Counter(re.findall(r"Finished XLA compilation of jit\((\w+)\)", text))
+  assert (compiled["train_steps"], compiled["predict"]) == (2, 2), compiled
