@@ -142,7 +142,9 @@ def main():
     print(r)
   say(f"wall {wall:.1f} s; wrote {out}/state_tracking.json")
   if interrupted is not None:
-    sys.exit(130)
+    # Without the interpreter's teardown: after an interrupted compilation it can crash there.
+    sys.stdout.flush()
+    os._exit(130)
 
 
 if __name__ == "__main__":
