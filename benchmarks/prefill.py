@@ -62,7 +62,7 @@ def parse_args():
                  help="per row, also a kernel profile of ours (three calls, with the gaps between "
                       "kernels) and, after all rows, of one call of fla-core's")
   p.add_argument("--variant", default=None,
-                 help="FwdConfig overrides, e.g. h_bv_wide=32,h_stages=2: each row "
+                 help="FwdConfig overrides, e.g. h_piece=32 or h_bv_wide=32,h_stages=2: each row "
                       "also times ours under them (checked against the default's output)")
   return p.parse_args()
 

@@ -39,7 +39,7 @@ SWEEP = {
     "solve": [dict(solve_warps=w, solve_precision=p) for p in ("tf32x3", "tf32", "ieee")
               for w in (1, 2, 4)],
     # BV 16: twice the programs of BV 32 where few sequences x heads leave SMs idle (row 2).
-    "scan": [dict(h_warps=w, h_stages=s, h_bv_wide=bv, h_bv_narrow=bv, h_bv_big_k=bv)
+    "scan": [dict(h_warps=w, h_stages=s, h_bv_wide=bv, h_bv_big_k=bv)
              for w in (4, 8) for s in (2, 3) for bv in (16, 32, 64)],
     "output": [dict(o_warps=w, o_bv=bv, o_bk=bk, o_stages=s) for w in (4, 8)
                for bv in (64, 128) for bk in (64, 128) for s in (2, 3)],
@@ -83,7 +83,8 @@ def stage_calls(pk, x, B, T, M, backend, config, l2norm=False):
   """The stages as jitted functions (lazy: nothing compiles until a call) under the block
   config `config` (a pk.FwdConfig). With `l2norm`, stage 2 computes the key row factors rk and
   every later stage takes them, as the prefill does with use_qk_l2norm_in_kernel; else rk is
-  None. The scan is stages 4 and 5 in one kernel, as in the prefill."""
+  None. The scan is stages 4 and 5 in one kernel, as in the prefill, split into pieces as the
+  prefill splits it (its summary and chain launches included)."""
   import jax
   import jax.numpy as jnp
   import numpy as np
@@ -102,7 +103,7 @@ def stage_calls(pk, x, B, T, M, backend, config, l2norm=False):
       "scan": jax.jit(lambda k, v, b, Ai, gx, rk: pk._scan(
           k, v, b, Ai, gx, cu, offsets, B * nc, M=M, h0=None, state_indices=None,
           final_kind="dense", h_dtype=x["k"].dtype, snap_dtype=None, backend=backend,
-          rk=rk, config=config)),
+          rk=rk, config=config, pieces=pk._pieces(B, T, M, None, config.h_piece))),
       "output": jax.jit(lambda q, k, vn, h, g, rk: pk._output(
           q, k, vn, h, g, None, B, cu, desc_t, M=M, scale=K ** -0.5, out_dtype=x["v"].dtype,
           backend=backend, rk=rk, config=config)),

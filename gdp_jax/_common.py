@@ -43,9 +43,15 @@ def chunk_descriptors(cu_seqlens, max_chunks, chunk_size=BT):
   Returns:
     int32 [max_chunks, 2]: (sequence, local chunk), with (-1, 0) for padding entries.
   """
-  offs = chunk_offsets(cu_seqlens, chunk_size)
+  return descriptors_from_offsets(chunk_offsets(cu_seqlens, chunk_size), max_chunks)
+
+
+def descriptors_from_offsets(offs, max_entries):
+  """(owner, local index) of entries 0 .. max_entries-1 of a packed list in which owner i holds
+  entries offs[i] .. offs[i+1]-1: `chunk_descriptors` for any counts (the forward scan's pieces
+  use it too). int32 [max_entries, 2], (-1, 0) past offs[-1]."""
   n = offs.shape[0] - 1
-  j = jnp.arange(max_chunks, dtype=jnp.int32)
+  j = jnp.arange(max_entries, dtype=jnp.int32)
   # side="right" walks past zero-length sequences, whose offsets repeat.
   seq = jnp.searchsorted(offs[1:], j, side="right").astype(jnp.int32)
   valid = j < offs[n]

@@ -92,6 +92,7 @@ class _Static(NamedTuple):
   use_qk_l2norm_in_kernel: bool
   backend: str
   config: BwdConfig = BwdConfig()
+  fwd_config: pk.FwdConfig = pk.FwdConfig()  # the forward rule's kernels
 
 
 def chunk_gated_delta_product_train(
@@ -117,7 +118,7 @@ def _forward(q, k, v, g, beta, initial_state, cu_seqlens, static, return_residua
       initial_state=initial_state, output_final_state=static.output_final_state,
       use_qk_l2norm_in_kernel=static.use_qk_l2norm_in_kernel, cu_seqlens=cu_seqlens,
       state=None, state_indices=None, return_chunk_states=False, chunk_states_dtype=None,
-      backend=static.backend, return_residuals=return_residuals)
+      backend=static.backend, return_residuals=return_residuals, config=static.fwd_config)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(7,))

@@ -9,7 +9,7 @@ It runs, per call:
     stage 2  A = strict_lower(beta K K^T decay), Gx, key factors   chunk_kkt
     stage 3  Ai = (I + A)^-1                                       chunk_solve
     stage 4  w, u                                                  inside stage 5
-    stage 5  h (chunk states), v_new, final state / cache          chunk_h
+    stage 5  h (chunk states), v_new, final state / cache          chunk_h (in pieces, §13.3)
     stage 6  o                                                     chunk_o
 
 Stage 0 (§4.2) never writes normalised rows: every use of a normalised q or k row is linear in
@@ -38,7 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from gdp_jax import _launch
-from gdp_jax._common import BT, chunk_descriptors, chunk_offsets
+from gdp_jax._common import BT, chunk_descriptors, chunk_offsets, descriptors_from_offsets
 
 
 class FwdConfig(NamedTuple):
@@ -48,8 +48,9 @@ class FwdConfig(NamedTuple):
   The values are the winners of `benchmarks/prefill_stages.py --sweep` on the H200
   (2026-11-30, docs/performance.md) at B=4 T=2048 H=16 K=V=128 M=2, B=8 T=4096 H=32 and
   B=4 T=2048 H=6 K=256 V=512. One set won or came within 5% of the best at all three, so there
-  is one table row, with the scan's BV keyed by the shape (by how many programs the scan has,
-  _h_block_v). Every config was checked there against the previous one's output.
+  is one table row, with the scan's BV keyed by K (_h_block_v). No field is chosen from the
+  batch (N, B, the other sequences): docs/algorithm.md §13.2. Every config was checked there
+  against the previous one's output.
   """
   # Stage 2: 2 warps and a 128-wide K slice: 0.341 against 0.369 ms (4 warps, 64) at B=8 H=32.
   kkt_bk: int = 128
@@ -69,14 +70,19 @@ class FwdConfig(NamedTuple):
   # Stage 5 (with stage 4 inside): 4 warps, 3 stages (the next chunk's tiles load while this
   # one computes): 0.115 against 0.199 ms (8 warps, 2 stages) at B=4 H=16, 0.94 against 1.44 ms
   # at B=8 H=32, 0.41 against 0.63 ms at K=256. BV 64 when the state fits (K up to 128: two
-  # 64x64 float32 tiles) unless N*HV*ceil(V/64) programs would leave most SMs idle (a long
-  # sequence with few heads: there narrower blocks, i.e. more programs, finish the sequential
-  # chain sooner: BV 16 0.274, 32 0.340, 64 0.425 ms at B=1 T=8192 H=16, 2026-11-30); 32 for
-  # K > 128 (four tiles).
+  # 64x64 float32 tiles), 32 for K > 128 (four tiles): keyed on K only, never on the batch
+  # (docs/algorithm.md §13.2).
   h_bv_wide: int = 64
-  h_bv_narrow: int = 16
   h_bv_big_k: int = 32
-  h_min_programs: int = 66  # half the SMs of an H200 (132); 128 programs measured: 64 wins
+  # The walk of a sequence longer than h_piece expanded chunks is split into pieces of h_piece
+  # chunks that run in parallel (docs/algorithm.md §13.3; 0: never split). A fixed length, so
+  # a sequence's pieces follow from its own length only. Provisional: 64 leaves sequences of
+  # up to 2048 tokens at M=2 unsplit and cuts the chain at B=1 T=8192 M=2 (256 chunks) to
+  # 64 + 3 + 64 steps (summary, chain, walk); not yet timed.
+  h_piece: int = 64
+  # The chain's float32 products M_p S + E_p on 16-bit inputs ("tf32x3": three TF32 products on
+  # the tensor cores, float32-level accuracy; float32 inputs always take "ieee").
+  h_chain_precision: str = "tf32x3"
   h_warps: int = 4
   h_stages: int = 3
   # float32 inputs (the reference-precision path) take "ieee" dots, whose operands Triton stages
@@ -114,23 +120,13 @@ class KernelCall(NamedTuple):
                         num_warps=self.num_warps, num_stages=self.num_stages, **self.constexprs)
 
 
-def _few_scan_programs(cfg: FwdConfig, N: int, HV: int, V: int) -> bool:
-  """Whether wide blocks would leave most SMs idle: then each scan program's sequential chunk
-  chain, not the bytes, sets the prefill's pace (a long sequence with few heads)."""
-  return N * HV * -(-V // cfg.h_bv_wide) < cfg.h_min_programs
+def _h_block_v(cfg: FwdConfig, K: int) -> int:
+  return cfg.h_bv_big_k if K > 128 else cfg.h_bv_wide
 
 
-def _h_block_v(cfg: FwdConfig, N: int, HV: int, K: int, V: int) -> int:
-  if K > 128:
-    return cfg.h_bv_big_k
-  if _few_scan_programs(cfg, N, HV, V):
-    return cfg.h_bv_narrow
-  return cfg.h_bv_wide
-
-
-def _dense_descriptors(B: int, L: int) -> np.ndarray:
+def _dense_descriptors(B: int, L: int, chunk_size: int = BT) -> np.ndarray:
   """The descriptors of B sequences of L rows each, as a trace-time constant."""
-  nc = -(-L // BT)
+  nc = -(-L // chunk_size)
   seq = np.repeat(np.arange(B, dtype=np.int32), nc)
   local = np.tile(np.arange(nc, dtype=np.int32), B)
   return np.stack([seq, local], -1)
@@ -159,6 +155,54 @@ def _packing(B: int, T: int, M: int, cu_seqlens) -> _Packing:
   cu = cu_seqlens.astype(jnp.int32)
   return _Packing(N, cu, chunk_descriptors(cu, min(T, T // BT + N)),
                   chunk_descriptors(cu * M, min(T * M, (T * M) // BT + N)), chunk_offsets(cu))
+
+
+# A piece length that no sequence reaches: every walk in one piece.
+_WHOLE = 2 ** 30
+
+
+class _Pieces(NamedTuple):
+  """The forward scan's pieces (docs/algorithm.md §13.3): each sequence's expanded chunks cut
+  into runs of `length` from its own start; a sequence of at most `length` chunks (an empty
+  one too) is one piece, walked from its initial state as if unsplit."""
+  length: int          # expanded chunks per piece
+  desc: jax.Array      # [NP, 2] int32 (sequence, piece) per row, (-1, 0) past the count
+  offsets: jax.Array   # [N+1] int32 first row of each sequence in desc
+  split: bool          # static: some sequence may have two pieces or more, so the summary
+                       # and chain launches run before the walk
+
+
+def _whole_sequences(N: int, length: int = _WHOLE) -> _Pieces:
+  seq = np.arange(N, dtype=np.int32)
+  return _Pieces(length, jnp.asarray(np.stack([seq, np.zeros_like(seq)], -1)),
+                 jnp.asarray(np.arange(N + 1, dtype=np.int32)), False)
+
+
+def _pieces(B: int, T: int, M: int, cu_seqlens, length: int) -> _Pieces:
+  """The pieces of `length` expanded chunks (0: never split) of the packed stream of
+  `_packing(B, T, M, cu_seqlens)`: known at trace time for dense inputs, built on the device
+  with a static bound under cu_seqlens (§5.3)."""
+  if cu_seqlens is None:
+    n_x = -(-T * M // BT)
+    per = -(-n_x // length) if length else 1
+    if per <= 1:
+      return _whole_sequences(B, length or _WHOLE)
+    return _Pieces(length, jnp.asarray(_dense_descriptors(B, T * M, BT * length)),
+                   jnp.asarray(np.arange(B + 1, dtype=np.int32) * per), True)
+  N = cu_seqlens.shape[0] - 1
+  n_x = min(T * M, (T * M) // BT + N)  # expanded chunks of all sequences together, at most
+  if not length or n_x <= length:
+    return _whole_sequences(N, length or _WHOLE)
+  cu = cu_seqlens.astype(jnp.int32)
+  rows = BT * length
+  counts = jnp.maximum(((cu[1:] - cu[:-1]) * M + rows - 1) // rows, 1)
+  offsets = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(counts).astype(jnp.int32)])
+  # sum_n max(1, ceil(x_n / L)) <= sum_n (floor(x_n / L) + 1) <= n_x // L + N.
+  return _Pieces(length, descriptors_from_offsets(offsets, n_x // length + N), offsets, True)
+
+
+def _chain_precision(cfg: FwdConfig, dtype) -> str:
+  return "ieee" if jnp.dtype(dtype) == jnp.float32 else cfg.h_chain_precision
 
 
 def _solve_precision(cfg: FwdConfig, dtype) -> str:
@@ -224,40 +268,73 @@ def _solve(A, cu, desc, *, M, dtype, backend, config=FwdConfig()):
 
 
 def _scan_launch(k, v, beta, Ai, gx, cu, offsets, n_rows, *, M, h0, state_indices, final_kind,
-                 h_dtype, snap_dtype, rk, config: FwdConfig) -> KernelCall:
+                 h_dtype, snap_dtype, rk, config: FwdConfig, pieces: _Pieces, h_start=None,
+                 summary=False) -> KernelCall:
+  """The walk over `pieces` (each from h_start's row when its sequence is split, else from h0),
+  or with `summary` the pass that writes each piece's map [M_p | E_p] and nothing else."""
   TM, H, K = k.shape
   _, HV, V = v.shape
   N = cu.shape[0] - 1
-  bv = _h_block_v(config, N, HV, K, V)
-  if final_kind == "cache":
-    # Argument 2 (h0, the cache) is output 3: updated in place when donated.
-    final, aliases = jax.ShapeDtypeStruct(h0.shape, h0.dtype), {2: 3}
+  NP = pieces.desc.shape[0]
+  bv = _h_block_v(config, K)
+  nv = -(-V // bv)
+  aliases = None
+  S = h0.shape[0] if h0 is not None else N
+  if summary:
+    # It reads no state: only the slots, to skip padding.
+    h0, final_kind, snap_dtype = None, "none", None
+    outs = (_f32(1), _f32(1), _f32(1), _f32(1), _f32(NP, HV, K, K + V))
+    grid = (NP * HV, -(-K // bv) + nv)
   else:
-    final, aliases = _f32(N, HV, K, V) if final_kind == "dense" else _f32(1), None
+    if final_kind == "cache":
+      # Argument 2 (h0, the cache) is output 3: updated in place when donated.
+      final, aliases = jax.ShapeDtypeStruct(h0.shape, h0.dtype), {2: 3}
+    else:
+      final = _f32(N, HV, K, V) if final_kind == "dense" else _f32(1)
+    outs = (jax.ShapeDtypeStruct((n_rows, HV, K, V), h_dtype),
+            jax.ShapeDtypeStruct((n_rows, HV, K, V), snap_dtype) if snap_dtype is not None
+            else _f32(1),
+            jax.ShapeDtypeStruct((TM, HV, V), k.dtype), final, _f32(1))
+    grid = (NP * HV, nv)
   # float32 beta: each chunk's per-row beta load sits in the scan's sequential chain, and Triton
   # pipelines it (cp.async, 4 bytes or more per row) only in float32; a bf16 beta is loaded
   # where it is used, a global-memory latency per chunk (B=1 T=8192, 256 chunks: scan 0.453
   # against 0.319 ms with float32 beta, H200, 2026-11-30).
   return KernelCall(
       "chunk_h.chunk_h_fwd_kernel",
-      (k, _opt(gx), _opt(h0), _opt(state_indices, jnp.int32), cu, offsets,
-       HV * K * V, K * V, h0.shape[0] if h0 is not None else N, _opt(rk), v,
+      (k, _opt(gx), _opt(h0), _opt(state_indices, jnp.int32), cu, offsets, pieces.desc,
+       pieces.length, _opt(h_start), HV * K * V, K * V, S, _opt(rk), v,
        beta.astype(jnp.float32), Ai),
-      (jax.ShapeDtypeStruct((n_rows, HV, K, V), h_dtype),
-       jax.ShapeDtypeStruct((n_rows, HV, K, V), snap_dtype) if snap_dtype is not None
-       else _f32(1),
-       jax.ShapeDtypeStruct((TM, HV, V), k.dtype), final),
-      grid=(N * HV, -(-V // bv)), aliases=aliases, num_warps=config.h_warps,
+      outs, grid=grid, aliases=aliases, num_warps=config.h_warps,
       num_stages=config.h_stages_f32 if k.dtype == jnp.float32 else config.h_stages,
       constexprs=dict(
           H=H, HV=HV, K=K, V=V, M=M, BT=BT, BV=bv, USE_G=gx is not None,
           USE_INITIAL_STATE=h0 is not None, STORE_FINAL_STATE=final_kind != "none",
           HAS_STATE_INDICES=state_indices is not None, STORE_SNAPSHOT=snap_dtype is not None,
-          USE_RNORM=rk is not None, DOT_PRECISION=_dot_precision(k.dtype)))
+          USE_RNORM=rk is not None, SUMMARY=summary, DOT_PRECISION=_dot_precision(k.dtype)))
+
+
+def _chain_launch(h0, state_indices, cu, summary, *, M, V, dtype, config: FwdConfig,
+                  pieces: _Pieces) -> KernelCall:
+  """Each piece's entering state from the maps of the pieces before it, in piece order."""
+  NP, HV, K, _ = summary.shape
+  N = cu.shape[0] - 1
+  bv = _h_block_v(config, K)
+  # One stage: the loop body's loads are a whole [K, K+V] map (256 KB at K=256 V=512), which
+  # a second stage would double in shared memory.
+  return KernelCall(
+      "chunk_h.chunk_h_chain_kernel",
+      (_opt(h0), _opt(state_indices, jnp.int32), cu, pieces.offsets, pieces.length, HV * K * V,
+       K * V, h0.shape[0] if h0 is not None else N, summary),
+      (_f32(NP, HV, K, V),), grid=(N * HV, -(-V // bv)), num_warps=config.h_warps,
+      num_stages=1,
+      constexprs=dict(HV=HV, K=K, V=V, M=M, BT=BT, BV=bv, USE_INITIAL_STATE=h0 is not None,
+                      HAS_STATE_INDICES=state_indices is not None,
+                      DOT_PRECISION=_chain_precision(config, dtype)))
 
 
 def _scan(k, v, beta, Ai, gx, cu, offsets, n_rows, *, M, h0, state_indices, final_kind,
-          h_dtype, snap_dtype, backend, rk=None, config=FwdConfig()):
+          h_dtype, snap_dtype, backend, rk=None, config=FwdConfig(), pieces=None):
   """Stage 5, with stage 4 inside: the inter-chunk scan forms each chunk's w S and u from k, v,
   beta and Ai itself (docs/algorithm.md §4.6), so w and u never exist in memory.
 
@@ -281,13 +358,23 @@ def _scan(k, v, beta, Ai, gx, cu, offsets, n_rows, *, M, h0, state_indices, fina
     snap_dtype: dtype of a second copy of the chunk states, or None for no copy.
     rk: None, or the key row factors [T*M, H].
 
+    pieces: the pieces of the walk (`_pieces`); None: every sequence in one piece.
+
   Returns:
     (h, h_snap or None, v_new, final or None).
   """
-  h, h_snap, v_new, ht = _scan_launch(
-      k, v, beta, Ai, gx, cu, offsets, n_rows, M=M, h0=h0, state_indices=state_indices,
-      final_kind=final_kind, h_dtype=h_dtype, snap_dtype=snap_dtype, rk=rk,
-      config=config).run(backend)
+  if pieces is None:
+    pieces = _whole_sequences(cu.shape[0] - 1)
+  kw = dict(M=M, h0=h0, state_indices=state_indices, final_kind=final_kind, h_dtype=h_dtype,
+            snap_dtype=snap_dtype, rk=rk, config=config, pieces=pieces)
+  args = (k, v, beta, Ai, gx, cu, offsets, n_rows)
+  h_start = None
+  if pieces.split:
+    # docs/algorithm.md §13.3: the maps of the pieces, then their entering states in order.
+    summary = _scan_launch(*args, **kw, summary=True).run(backend)[4]
+    (h_start,) = _chain_launch(h0, state_indices, cu, summary, M=M, V=v.shape[2],
+                               dtype=k.dtype, config=config, pieces=pieces).run(backend)
+  h, h_snap, v_new, ht, _ = _scan_launch(*args, **kw, h_start=h_start).run(backend)
   return (h, h_snap if snap_dtype is not None else None, v_new,
           ht if final_kind != "none" else None)
 
@@ -390,6 +477,7 @@ def _chunk_gated_delta_product_fwd(
 
   N, cu, desc_t, desc_x, offsets = _packing(B, T, M, cu_seqlens)
   n_rows = desc_t.shape[0]
+  pieces = _pieces(B, T, M, cu_seqlens, config.h_piece)
 
   if g is not None:
     g = g.reshape(B * T, HV).astype(jnp.float32)
@@ -425,13 +513,13 @@ def _chunk_gated_delta_product_fwd(
     h_x, _, v_new, final = _scan(
         k, v, beta, Ai, gx, cu * M, h_offsets, desc_x.shape[0], M=1, h0=h0, state_indices=None,
         final_kind=final_kind, h_dtype=dtype, snap_dtype=None, backend=backend, rk=rk,
-        config=config)
+        config=config, pieces=pieces)
     h, h_snap = h_x, None
   else:
     h, h_snap, v_new, final = _scan(
         k, v, beta, Ai, gx, cu, offsets, n_rows, M=M, h0=h0, state_indices=state_indices,
         final_kind=final_kind, h_dtype=h_dtype, snap_dtype=snap_dtype, backend=backend, rk=rk,
-        config=config)
+        config=config, pieces=pieces)
   S = state.shape[0] if state is not None else N
   o = _output(q, k, v_new, h, g, state_indices, S, cu, desc_t, M=M, scale=scale,
               out_dtype=out_dtype, backend=backend, rk=rk, config=config, h_offsets=h_offsets)

@@ -43,7 +43,7 @@ Grid: (N * HV, ceil(V / BV), NP), as the forward scan with a piece axis; with SU
 import triton
 import triton.language as tl
 
-from .chunk_h import _load_state, _row_tile, _store_state
+from .chunk_h import _identity_tile, _load_state, _row_tile, _store_state
 
 
 @triton.jit
@@ -60,13 +60,6 @@ def _tile_update(b_dh, b_decay, p_q, tok, mask_q, i_t, o_k, b_k, b_gq, b_kb, b_d
   b_dh += scale * tl.dot(b_qt, b_do, input_precision=DOT_PRECISION)
   b_dh -= tl.dot(b_kt, b_x, input_precision=DOT_PRECISION)
   return b_dh
-
-
-@triton.jit
-def _identity_tile(i_t, o_k, o_v, mask_v):
-  """Rows 64*i_t .. 64*i_t + 63 of the identity, columns o_v (zeros where mask_v is off)."""
-  o = i_t * 64 + o_k
-  return tl.where((o[:, None] == o_v[None, :]) & mask_v[None, :], 1., 0.)
 
 
 @triton.jit

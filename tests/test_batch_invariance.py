@@ -4,9 +4,10 @@ A request decoded alone (N = 1, a one-slot cache) and the same request inside a 
 random requests, at another position and slot, beside -1 padding, must give bitwise the same
 outputs, state and snapshots (docs/algorithm.md §13.2): no tile, warp or split choice may depend
 on the batch. The same for the prefill: a sequence alone, in a dense batch, and packed among
-others with cu_seqlens gives the same outputs, final state and chunk states. The interpreter
-runs the decode check at tiny shapes; the GPU cases (`-m gpu`) are the ones that matter, since
-compiled kernels are where a batch-dependent tile changes the summation order.
+others with cu_seqlens gives the same outputs, final state and chunk states, also where the
+forward scan splits a long sequence into pieces (docs/algorithm.md §13.3). The interpreter runs
+the checks at tiny shapes; the GPU cases (`-m gpu`) are the ones that matter, since compiled
+kernels are where a batch-dependent tile changes the summation order.
 """
 import jax.numpy as jnp
 import numpy as np
@@ -14,7 +15,8 @@ import pytest
 
 import gdp_jax
 from conftest import KERNEL_BACKEND
-from helpers import bits_equal
+from gdp_jax import _prefill_kernels as pk
+from helpers import bits_equal, forward_with
 
 
 def _requests(rng, N, D, M, H, HV, K, V, dtype):
@@ -112,8 +114,9 @@ def _sequence(rng, L, M, H, HV, K, V):
               h0=rng.standard_normal((1, HV, K, V)))
 
 
-def _prefill(seqs, M, dense, backend):
-  """The sequences as one dense batch (all of one length) or packed with cu_seqlens."""
+def _prefill(seqs, M, dense, backend, config=None):
+  """The sequences as one dense batch (all of one length) or packed with cu_seqlens; with a
+  FwdConfig, under it (`forward_with`)."""
   bf16 = jnp.bfloat16
   cat = lambda n, axis: np.concatenate([s[n] for s in seqs], axis)
   axis = 0 if dense else 1
@@ -122,45 +125,61 @@ def _prefill(seqs, M, dense, backend):
            beta=jnp.asarray(cat("beta", axis), bf16))
   kw = dict(num_householder=M, initial_state=jnp.asarray(cat("h0", 0), jnp.float32),
             output_final_state=True, use_qk_l2norm_in_kernel=True, return_chunk_states=True,
-            chunk_states_dtype=jnp.float32, backend=backend)
+            chunk_states_dtype=jnp.float32)
   cu = None
   if not dense:
     cu = np.concatenate([[0], np.cumsum([s["q"].shape[1] for s in seqs])]).astype(np.int32)
     kw["cu_seqlens"] = jnp.asarray(cu)
-  o, final, chunks = gdp_jax.chunk_gated_delta_product(**x, **kw)
+  if config is None:
+    o, final, chunks = gdp_jax.chunk_gated_delta_product(**x, **kw, backend=backend)
+  else:
+    o, final, chunks = forward_with(config, x, kw, backend)
   return np.asarray(o), np.asarray(final), np.asarray(chunks), cu
 
 
-def check_prefill_invariance(M, H, HV, K, V, L, lengths, backend):
+def check_prefill_invariance(M, H, HV, K, V, L, lengths, backend, config=None):
   """A sequence of L tokens alone, at row 2 of a dense batch of 4, and packed third among
   `lengths` (whose third entry is L): bitwise the same o, final state and chunk states."""
   rng = np.random.default_rng(HV)
   mine = _sequence(rng, L, M, H, HV, K, V)
-  o1, f1, c1, _ = _prefill([mine], M, dense=True, backend=backend)
+  run = lambda seqs, dense: _prefill(seqs, M, dense, backend, config)
+  o1, f1, c1, _ = run([mine], True)
   NC = -(-L // 64)
 
   dense = [_sequence(rng, L, M, H, HV, K, V) for _ in range(3)]
   dense.insert(2, mine)
-  o, f, c, _ = _prefill(dense, M, dense=True, backend=backend)
+  o, f, c, _ = run(dense, True)
   assert bits_equal(o[2], o1[0]), "dense batch: o differs"
   assert bits_equal(f[2], f1[0]), "dense batch: final state differs"
   assert bits_equal(c[2], c1[0]), "dense batch: chunk states differ"
 
   packed = [mine if i == 2 else _sequence(rng, n, M, H, HV, K, V) for i, n in enumerate(lengths)]
-  o, f, c, cu = _prefill(packed, M, dense=False, backend=backend)
+  o, f, c, cu = run(packed, False)
   row0 = int(np.asarray(gdp_jax.chunk_offsets(jnp.asarray(cu)))[2])
   assert bits_equal(o[0, cu[2]:cu[3]], o1[0]), "packed: o differs"
   assert bits_equal(f[2], f1[0]), "packed: final state differs"
   assert bits_equal(c[row0:row0 + NC], c1[0]), "packed: chunk states differ"
 
 
+@pytest.mark.parametrize("L", [100, 64])
+def test_prefill_batch_invariance(L):
+  """The forward scan split into pieces of two expanded chunks: a sequence of 100 tokens (four
+  chunks at M = 2: two pieces wherever it sits) and one of 64 (exactly one piece: alone or in a
+  dense batch the walk is not split at all, packed beside longer ones it runs in the split
+  launches) give the same bits alone, in a dense batch and packed."""
+  check_prefill_invariance(2, 1, 2, 16, 16, L, [30, 0, L, 130, 1, 64], KERNEL_BACKEND,
+                           config=pk.FwdConfig(h_piece=2))
+
+
 @pytest.mark.gpu
+@pytest.mark.parametrize("L", [300, 2500])
 @pytest.mark.parametrize("HV", [4, 16])
-def test_prefill_batch_invariance_gpu(HV):
-  """A 300-token sequence alone, at row 2 of a dense batch of 4, and packed third among nine
-  (starting 137 tokens in, not on a chunk boundary of the stream): bitwise the same o, final
-  state and chunk states. With HV = 4 the three calls launch the state scan over 8, 32 and 72
-  value blocks of 64 (N * HV * V / 64), with HV = 16 over 32, 128 and 288: both straddle the
-  66-program rule by which the state scan picks its block width (gdp_jax/_prefill_kernels.py)."""
-  check_prefill_invariance(2, min(4, HV), HV, 128, 128, 300,
-                           [100, 37, 300, 0, 64, 500, 1, 130, 77], "triton")
+def test_prefill_batch_invariance_gpu(HV, L):
+  """A sequence alone, at row 2 of a dense batch of 4, and packed third among nine (starting
+  137 tokens in, not on a chunk boundary of the stream): bitwise the same o, final state and
+  chunk states. 300 tokens are one piece of the forward scan; 2500 (79 expanded chunks at
+  M = 2) are two under the default FwdConfig.h_piece of 64, so the summary, chain and split
+  walk run in all three calls. The other sequences change every launch's grid, which must
+  change nothing."""
+  check_prefill_invariance(2, min(4, HV), HV, 128, 128, L,
+                           [100, 37, L, 0, 64, 500, 1, 130, 77], "triton")

@@ -19,6 +19,7 @@ import pytest
 import gdp_jax
 from conftest import KERNEL_BACKEND
 from gdp_jax import _prefill_bwd, reference
+from gdp_jax import _prefill_kernels as pk
 from helpers import RTOL, PrefillCase, assert_close, bits_equal, err_ratio
 
 pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered in exp2:RuntimeWarning")
@@ -110,11 +111,14 @@ def _loss(fn, cts, kw, with_outputs=False, **extra):
 
 
 def _train_prefill(config):
-  """The prefill's training path under a BwdConfig (the public entry point takes the default)."""
+  """The prefill's training path under a BwdConfig, or a (BwdConfig, FwdConfig) pair for its
+  forward rule too (the public entry point takes the defaults)."""
+  configs = (config,) if isinstance(config, _prefill_bwd.BwdConfig) else config
+
   def prefill(q, k, v, g=None, beta=None, *, num_householder, output_final_state,
               use_qk_l2norm_in_kernel, initial_state=None, cu_seqlens=None, backend):
     static = _prefill_bwd._Static(num_householder, q.shape[-1] ** -0.5, output_final_state,
-                                  use_qk_l2norm_in_kernel, backend, config)
+                                  use_qk_l2norm_in_kernel, backend, *configs)
     return _prefill_bwd._prefill(q, k, v, g, beta, initial_state, cu_seqlens, static)
 
   return prefill
@@ -122,7 +126,7 @@ def _train_prefill(config):
 
 def grads(x, cts, kw, backend, config=None, with_outputs=False):
   """The kernels' gradients (with with_outputs: and (o, final)), through the public entry point
-  or, given a BwdConfig, the training path under it."""
+  or, given a config (`_train_prefill`), the training path under it."""
   fn = gdp_jax.chunk_gated_delta_product if config is None else _train_prefill(config)
   return jax.grad(_loss(fn, cts, kw, with_outputs=with_outputs, backend=backend),
                   has_aux=with_outputs)(x)
@@ -130,8 +134,8 @@ def grads(x, cts, kw, backend, config=None, with_outputs=False):
 
 def check_grads(c: PrefillCase, backend, seed=0, configs=(None,)):
   """Checks the kernels' gradients and outputs against the reference's, once per entry of
-  `configs` (None: the public entry point; a BwdConfig: the training path under it); returns
-  the gradients in that order."""
+  `configs` (None: the public entry point; else the training path under it, `_train_prefill`);
+  returns the gradients in that order."""
   x, cts, kw = make_inputs(c, seed)
   xk = _cast(c, x)
   up = {n: a.astype(f64) for n, a in xk.items()}   # the same rounded inputs, in float64
@@ -230,11 +234,28 @@ def test_split_rule():
   assert _prefill_bwd._h_pieces(cfg._replace(h_split=1), 1) == 1
 
 
+def test_split_forward_scan():
+  """The training forward's scan (M = 1 on the expanded stream, a checkpoint per expanded
+  chunk) split into pieces of one and two chunks (docs/algorithm.md §13.3), an empty sequence
+  and one of a single chunk among them: outputs and gradients against the reference (the
+  backward reads the split walk's checkpoints, V' and final state), and within float32
+  rounding of the unsplit forward's gradients."""
+  c = Case(T=150, HV=2, K=32, V=16, M=2, varlen=(5, 0, 70, 1, 64), l2norm=True)
+  bwd = _prefill_bwd.BwdConfig(h_split=1)
+  one, *split = check_grads(c, KERNEL_BACKEND,
+                            configs=[(bwd, pk.FwdConfig(h_piece=p)) for p in (0, 1, 2)])
+  for P, out in zip((1, 2), split):
+    for n in out:
+      e = err_ratio(one[n], out[n])
+      assert e < 1e-5, f"d{n}, pieces of {P}: ratio {e:.3e} to the unsplit forward"
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_split_state_pass_gpu(dtype):
   """One long sequence with few heads, the reverse state pass in 8 pieces at wide (64, the
-  default) and narrow (16) V blocks: against the reference, and two runs bitwise equal."""
+  default) and narrow (16) V blocks, the forward scan in two pieces (128 expanded chunks, the
+  default FwdConfig.h_piece of 64): against the reference, and two runs bitwise equal."""
   c = Case(B=1, T=4096, H=4, HV=4, K=128, V=128, M=2, dtype=dtype, l2norm=True)
   configs = [_prefill_bwd.BwdConfig(h_split=8),
              _prefill_bwd.BwdConfig(h_split=8, h_bv=16)]

@@ -27,7 +27,8 @@ from gdp_jax import _backends
 from gdp_jax import _prefill_kernels as pk
 from gdp_jax import reference
 from gdp_jax._common import BT
-from helpers import RTOL, PrefillCase as Case, assert_close, bits_equal, padding, prefill_inputs
+from helpers import RTOL, PrefillCase as Case, assert_close, bits_equal, forward_with
+from helpers import padding, prefill_inputs
 from helpers import upcast
 
 # exp2 above the causal diagonal overflows to inf by design; the kernels select it away (the
@@ -68,20 +69,16 @@ GPU_CASES = [
          states_dtype="float32"),
     Case(B=1, T=1500, H=2, HV=4, K=100, V=512, M=3, dtype="float32",
          varlen=(200, 0, 65, 1000), cache="slots", chunk_states=True),
+    # The forward scan in pieces of the default FwdConfig.h_piece (64 expanded chunks): 256
+    # chunks in four pieces; 141 in three beside padding (slot -1 and out of range) and an empty
+    # sequence; K = 256 V = 512 (the chain's products over four state tiles).
+    Case(B=1, T=8192, H=4, HV=4, K=128, V=128, M=2, dtype="bfloat16", l2norm=True, init=True,
+         chunk_states=True, states_dtype="float32"),
+    Case(B=1, T=6200, H=2, HV=4, K=128, V=128, M=2, dtype="float32", l2norm=True,
+         varlen=(300, 4500, 0, 1200), cache="slots", chunk_states=True),
+    Case(B=1, T=4600, H=2, HV=2, K=256, V=512, M=2, dtype="bfloat16", l2norm=True,
+         varlen=(4500,), init=True, chunk_states=True),
 ]
-
-
-def forward_with(config, a, kw, backend):
-  """The prefill's forward on the kernels under `config`, passed as the static argument the
-  benchmarks' sweeps use (the public entry point takes the default config)."""
-  arrays = dict(a, initial_state=None, cu_seqlens=None, state=None, state_indices=None)
-  static = dict(scale=a["q"].shape[-1] ** -0.5, output_final_state=False,
-                use_qk_l2norm_in_kernel=False, return_chunk_states=False,
-                chunk_states_dtype=None)
-  for n, x in kw.items():
-    (arrays if n in arrays else static)[n] = x
-  return _backends.call_jitted(pk._chunk_gated_delta_product_fwd, arrays, backend=backend,
-                               config=config, **static)
 
 
 def check_prefill(c: Case, backend, seed=0, config=None):
@@ -179,7 +176,7 @@ def test_scan_takes_float32_beta(monkeypatch):
 
   def spy(kernel, *args, **kwargs):
     if kernel == "chunk_h.chunk_h_fwd_kernel":
-      seen.append(jnp.dtype(args[11].dtype))  # argument 11: beta
+      seen.append(jnp.dtype(args[14].dtype))  # argument 14: beta
     return call(kernel, *args, **kwargs)
 
   monkeypatch.setattr(pk._launch, "call", spy)
@@ -191,6 +188,55 @@ def test_scan_takes_float32_beta(monkeypatch):
       sds((B, T, H, K), bf), sds((B, T * M, H, K), bf), sds((B, T * M, H, K), bf),
       sds((B, T, H), jnp.float32), sds((B, T * M, H), bf))
   assert seen == [jnp.dtype(jnp.float32)]
+
+
+# The forward scan split into pieces of one or two expanded chunks (docs/algorithm.md §13.3), so
+# that tiny sequences take several. Packed: an empty sequence, a -1 slot, an out-of-range slot on
+# a sequence of three chunks (padding pieces write zero checkpoints), one of exactly two chunks
+# (one piece at 2), one of a single chunk, slack tokens. Dense: K != V (a swap of M_p's and E_p's
+# columns shows), M = 3 (pieces start inside token chunks), an initial state. K = 256: four state
+# tiles in the chain's products.
+SPLIT_CASES = [
+    (Case(T=220, HV=2, K=32, V=16, M=2, varlen=(5, 0, 70, 64, 1, 66), cache="slots",
+          chunk_states=True), (1, 2)),
+    (Case(B=2, T=130, HV=2, K=48, V=32, M=3, l2norm=True, init=True, chunk_states=True), (2,)),
+    (Case(T=40, HV=1, K=256, V=16, M=2, init=True), (1,)),
+]
+
+
+@pytest.mark.parametrize("c,lengths", SPLIT_CASES, ids=lambda x: x.id if isinstance(x, Case)
+                         else "pieces-" + "-".join(map(str, x)))
+def test_split_scan(c, lengths, monkeypatch):
+  """The split walk (summary, chain, walk per piece) against the float64 reference: o, final
+  state or cache slots, chunk states, padding zeros, untouched slots."""
+  launched = []
+  call = pk._launch.call
+
+  def spy(kernel, *args, **kwargs):
+    launched.append(kernel)
+    return call(kernel, *args, **kwargs)
+
+  monkeypatch.setattr(pk._launch, "call", spy)
+  for L in lengths:
+    check_prefill(c, KERNEL_BACKEND, config=pk.FwdConfig(h_piece=L))
+  assert launched.count("chunk_h.chunk_h_chain_kernel") == len(lengths), "no split happened"
+
+
+def test_pieces():
+  """The piece lists: each sequence's pieces of L expanded chunks in order, an empty sequence
+  one empty piece, padding rows past the count; a dense batch or a packed stream too short to
+  split keeps one piece per sequence (the unsplit walk)."""
+  cu = jnp.asarray([0, 5, 5, 70, 134, 135], jnp.int32)   # expanded chunks at M=2: 1 0 3 2 1
+  p = pk._pieces(1, 200, 2, cu, 2)
+  n = int(p.offsets[-1])
+  assert p.split and n == 1 + 1 + 2 + 1 + 1
+  assert np.asarray(p.desc[:n]).tolist() == [[0, 0], [1, 0], [2, 0], [2, 1], [3, 0], [4, 0]]
+  assert np.all(np.asarray(p.desc[n:]) == [-1, 0])
+  assert not pk._pieces(1, 200, 2, cu, 0).split
+  assert not pk._pieces(1, 60, 2, cu[:3], 4).split         # min(120, 1 + 2) chunks <= 4
+  d = pk._pieces(2, 130, 3, None, 2)                        # 7 chunks each: 4 pieces
+  assert d.split and np.asarray(d.offsets).tolist() == [0, 4, 8]
+  assert not pk._pieces(2, 130, 3, None, 7).split
 
 
 @pytest.mark.slow
@@ -492,8 +538,9 @@ def test_jit_traced_cu_seqlens_compiles_once():
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_deterministic_gpu(dtype):
-  c = Case(B=1, T=1500, H=4, HV=8, K=128, V=128, M=2, dtype=dtype, l2norm=True,
-           varlen=(700, 0, 800), cache="slots", chunk_states=True)
+  # 2300 tokens: 72 expanded chunks, two pieces of the forward scan.
+  c = Case(B=1, T=3000, H=4, HV=8, K=128, V=128, M=2, dtype=dtype, l2norm=True,
+           varlen=(700, 0, 2300), cache="slots", chunk_states=True)
   a, kw = prefill_inputs(c, seed=9)
   first = gdp_jax.chunk_gated_delta_product(**a, **kw, backend="triton")
   second = gdp_jax.chunk_gated_delta_product(**a, **kw, backend="triton")

@@ -25,11 +25,14 @@ import pytest
 SM90_MAX_SHARED = 232448
 
 # (what, dtype, K, V, N): the largest head sizes the kernels support and the common one; N
-# sequences, few (the scan takes its narrow V tile) and many (its wide tile, as at benchmark
-# sizes); for training one sequence too (the backward's reverse pass split into pieces).
+# sequences, few and many; one sequence of 2200 tokens too (T below), so that the forward scan
+# splits into pieces (its summary launch, the chain, the walk per piece) and, for training,
+# the backward's reverse pass does.
 CASES = [("prefill", "bfloat16", 256, 512, 2), ("prefill", "float32", 256, 512, 2),
          ("prefill", "bfloat16", 128, 128, 2), ("prefill", "bfloat16", 128, 128, 16),
          ("prefill", "float32", 128, 128, 16),
+         ("prefill", "bfloat16", 256, 512, 1), ("prefill", "float32", 256, 512, 1),
+         ("prefill", "bfloat16", 128, 128, 1),
          ("decode", "bfloat16", 256, 512, 4), ("decode", "float32", 256, 512, 4),
          ("speculative", "bfloat16", 256, 512, 4),
          ("replay", "bfloat16", 256, 512, 4), ("replay", "float32", 128, 128, 4),
@@ -60,8 +63,9 @@ def _record_launches(what, dtype, K, V, N):
   H, HV, M, S = 2, 4, 2, 16
   f32 = jnp.float32
   sds = jax.ShapeDtypeStruct
+  T = 2200 if N == 1 else 300   # 69 expanded chunks at M = 2: two pieces of 64
   if what == "prefill":
-    T, snap = 300, (jnp.float16 if N < 8 else jnp.float32)  # both snapshot widths
+    snap = jnp.float16 if N < 8 else jnp.float32  # both snapshot widths
     args = (sds((1, T, H, K), dt), sds((1, T * M, H, K), dt), sds((1, T * M, HV, V), dt),
             sds((1, T, HV), f32), sds((1, T * M, HV), f32), sds((S, HV, K, V), f32),
             sds((N + 1,), jnp.int32), sds((N,), jnp.int32))
@@ -72,7 +76,6 @@ def _record_launches(what, dtype, K, V, N):
           return_chunk_states=True, chunk_states_dtype=snap,
           use_qk_l2norm_in_kernel=True, backend="triton")
   elif what == "train":
-    T = 300
     args = (sds((N, T, H, K), dt), sds((N, T * M, H, K), dt), sds((N, T * M, HV, V), dt),
             sds((N, T, HV), f32), sds((N, T * M, HV), dt), sds((N, HV, K, V), f32))
 
@@ -186,7 +189,7 @@ def test_every_launch_fits_sm90_shared_memory():
   kernels = {r["kernel"] for r in report}
   # Every kernel of both paths was traced and compiled.
   assert {"chunk_kkt_fwd_kernel", "chunk_solve_fwd_kernel", "chunk_h_fwd_kernel",
-          "chunk_o_fwd_kernel", "chunk_dv_local_kernel", "chunk_h_bwd_kernel",
+          "chunk_h_chain_kernel", "chunk_o_fwd_kernel", "chunk_dv_local_kernel", "chunk_h_bwd_kernel",
           "chunk_o_bwd_kernel", "chunk_wy_bwd_kernel", "qk_bwd_kernel"} <= kernels, kernels
   assert any("decode" in k or "recurrent" in k for k in kernels), kernels
   over = [r for r in report if r["shared"] > SM90_MAX_SHARED]
