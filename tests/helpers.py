@@ -105,6 +105,10 @@ class PrefillCase:
   varlen: tuple = ()            # sequence lengths, packed (B == 1); slack tokens follow
   chunk_states: bool = False    # return_chunk_states
   states_dtype: str = ""        # chunk_states_dtype ("" = None)
+  # Mean of the per-token log decays' magnitude. At 0.5 a chunk forgets all but e^-29 of its
+  # entering state, which hides errors in anything that carries a state across chunks (the
+  # forward scan's pieces: docs/algorithm.md §13.3); 0.005 keeps e^-0.3 of it.
+  decay: float = 0.5
 
   @property
   def id(self):
@@ -116,6 +120,7 @@ class PrefillCase:
     s += f"-cache_{self.cache}" if self.cache else ""
     s += f"-varlen{'_'.join(map(str, self.varlen))}" if self.varlen else ""
     s += "-cs" + (f"_{self.states_dtype}" if self.states_dtype else "") if self.chunk_states else ""
+    s += f"-decay{self.decay:g}" if self.decay != 0.5 else ""
     return s
 
   @property
@@ -135,7 +140,7 @@ def prefill_inputs(c: PrefillCase, seed):
   a = dict(q=jnp.asarray(q, dt), k=jnp.asarray(k, dt),
            v=jnp.asarray(rng.standard_normal((c.B, c.T * c.M, c.HV, c.V)), dt))
   if c.use_g:
-    g = -rng.exponential(0.5, (c.B, c.T, c.HV))
+    g = -rng.exponential(c.decay, (c.B, c.T, c.HV))
     g[rng.random(g.shape) < 0.1] = 0.       # exact zeros
     g[rng.random(g.shape) < 0.03] = -20.    # strong decays
     a["g"] = jnp.asarray(g, jnp.float32)

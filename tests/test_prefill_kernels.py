@@ -71,13 +71,14 @@ GPU_CASES = [
          varlen=(200, 0, 65, 1000), cache="slots", chunk_states=True),
     # The forward scan in pieces of the default FwdConfig.h_piece (64 expanded chunks): 256
     # chunks in four pieces; 141 in three beside padding (slot -1 and out of range) and an empty
-    # sequence; K = 256 V = 512 (the chain's products over four state tiles).
+    # sequence; K = 256 V = 512 (the chain's products over four state tiles). Weak decays (e^-1
+    # over about 2000 tokens), so that the state entering a piece still counts.
     Case(B=1, T=8192, H=4, HV=4, K=128, V=128, M=2, dtype="bfloat16", l2norm=True, init=True,
-         chunk_states=True, states_dtype="float32"),
+         chunk_states=True, states_dtype="float32", decay=0.0005),
     Case(B=1, T=6200, H=2, HV=4, K=128, V=128, M=2, dtype="float32", l2norm=True,
-         varlen=(300, 4500, 0, 1200), cache="slots", chunk_states=True),
+         varlen=(300, 4500, 0, 1200), cache="slots", chunk_states=True, decay=0.0005),
     Case(B=1, T=4600, H=2, HV=2, K=256, V=512, M=2, dtype="bfloat16", l2norm=True,
-         varlen=(4500,), init=True, chunk_states=True),
+         varlen=(4500,), init=True, chunk_states=True, decay=0.0005),
 ]
 
 
@@ -195,12 +196,13 @@ def test_scan_takes_float32_beta(monkeypatch):
 # a sequence of three chunks (padding pieces write zero checkpoints), one of exactly two chunks
 # (one piece at 2), one of a single chunk, slack tokens. Dense: K != V (a swap of M_p's and E_p's
 # columns shows), M = 3 (pieces start inside token chunks), an initial state. K = 256: four state
-# tiles in the chain's products.
+# tiles in the chain's products. Weak decays (or none), so that a piece's entering state matters.
 SPLIT_CASES = [
     (Case(T=220, HV=2, K=32, V=16, M=2, varlen=(5, 0, 70, 64, 1, 66), cache="slots",
-          chunk_states=True), (1, 2)),
-    (Case(B=2, T=130, HV=2, K=48, V=32, M=3, l2norm=True, init=True, chunk_states=True), (2,)),
-    (Case(T=40, HV=1, K=256, V=16, M=2, init=True), (1,)),
+          chunk_states=True, decay=0.005), (1, 2)),
+    (Case(B=2, T=130, HV=2, K=48, V=32, M=3, l2norm=True, init=True, chunk_states=True,
+          decay=0.005), (2,)),
+    (Case(T=40, HV=1, K=256, V=16, M=2, init=True, use_g=False), (1,)),
 ]
 
 
