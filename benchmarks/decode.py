@@ -33,8 +33,11 @@ $OUT/decode.json as soon as it exists, tables go to stdout):
    into the cache slot, write the checkpoint, run the D new tokens with outputs only) at
    N = 256, HV = 16, D in {1, 2, 4, 8}, random counts in 1..D, beside the `num_accepted` step
    (snapshots), the plain D = 1 step and fla-core's D-token step; checked bit for bit against
-   `commit_replay` followed by the plain step, and against the jnp reference. `--replay-configs
-   8x1x1,16x1x2` adds replay rows under other kernel configs (BV x warps x stages).
+   `commit_replay` followed by the plain step, and against the jnp reference. Beside each
+   shape, rows under the library's tile with the other replay paths (`DecodeConfig.replay`:
+   the block form at "ieee" or "tf32x3" products, or the token loop "tokens");
+   `--replay-configs 8x1x1,16x1x2xtokens` adds rows under other kernel configs (BV x warps x
+   stages, optionally x replay path).
 6. A config sweep (BV x num_warps x num_stages through the decode entry point's `config`
    argument; --sweep-grid picks the grid, D too) at N = 256, 1, 8, HV = 16, D = 1, each config
    checked against
@@ -56,6 +59,7 @@ or fla, to prove the plumbing on a machine without a GPU (its times mean nothing
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 import time
@@ -457,8 +461,12 @@ class Bench:
     N, HV, D, S = row["N"], row["HV"], row["D"], row["S"]
     cfg = None
     if row.get("cfg"):
-      BV, w, ns = (int(a) for a in row["cfg"].split("x"))
-      cfg = self.configs.DecodeConfig(BV=BV, num_warps=w, num_stages=ns)
+      # "BVxWARPSxSTAGES[xREPLAY]", or a replay path alone under the library's tile.
+      parts = row["cfg"].split("x")
+      if len(parts) == 1:
+        cfg = dataclasses.replace(self.configs.decode_config(self.K, self.V), replay=parts[0])
+      else:
+        cfg = self.configs.DecodeConfig(*(int(a) for a in parts[:3]), *parts[3:])
     x, state, slots, ring, num = self.replay_inputs(N, HV, D, S, seed=N + D)
     xs = (x["q"], x["k"], x["v"], x["g"], x["beta"], slots)
     o, new_state, _ = self.replay_fn(config=cfg)(self.copy(state), tuple(map(self.copy, ring)),
@@ -913,10 +921,12 @@ def main():
     if "replay" in parts:
       replay_shapes = [(2, 2, 1, 3), (2, 2, 3, 3)] if b.smoke else [
           (256, 16, D, 256) for D in (4, 1, 2, 8)]
-      cfgs = [""] + list(filter(None, args.replay_configs.split(",")))
+      default = b.configs.decode_config(b.K, b.V).replay
+      cfgs = ([""] + [r for r in ("ieee", "tf32x3", "tokens") if r != default]
+              + list(filter(None, args.replay_configs.split(","))))
       rrows = [common.run_row(results, "replay", dict(N=N, HV=HV, D=D, S=S, cfg=c),
                               b.replay_row, budget)
-               for c in cfgs for N, HV, D, S in replay_shapes]
+               for N, HV, D, S in replay_shapes for c in cfgs]
       common.print_table(f"checkpoint + replay step (loop ms per step of {b.loop_steps} in one "
                          "jit)", rrows, REPLAY_COLS)
 

@@ -46,6 +46,66 @@ from ._common import decode_program, l2norm_rows
 
 
 @triton.jit
+def replay_block(b_h, ring_k, ring_v, ring_g, ring_beta, r0, g0, n_rows, i_h, i_hv, o_k, o_v,
+                 mask_k, mask_v, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
+                 V: tl.constexpr, BR: tl.constexpr, RING_G_STEPS: tl.constexpr,
+                 USE_G: tl.constexpr, USE_BETA: tl.constexpr, IS_BETA_HEADWISE: tl.constexpr,
+                 USE_QK_L2NORM: tl.constexpr, DOT_PRECISION: tl.constexpr):
+  """The [BK, BV] state b_h after ring rows r0 .. r0 + n_rows - 1 (1 <= n_rows <= BR), in block
+  (WY) form (docs/algorithm.md §13.4). g0 is the ring_g row of row r0.
+
+  With G the inclusive cumsum of the row decays, P = K S0 and A[i, c] = exp(G_i - G_c) k_i.k_c
+  for c < i, row i's update is u_i = beta_i (v_i - exp(G_i) P_i - sum_c A[i, c] u_c), and
+  S_end = exp(G_last) S0 + sum_i exp(G_last - G_i) k_i u_i^T. All rows load at once and the
+  state is read by one product and updated by one, so the serial part left is the forward
+  substitution for u on a [BR, BV] tile: no load and no reduction over K in its chain, where
+  the token loop has both in every step. Every exponent is <= 0 for decays <= 0. Rows at or
+  past n_rows load as zeros (k = v = 0, g = 0): their u is 0 and they change nothing.
+  """
+  o_r = tl.arange(0, BR)
+  mask_r = o_r < n_rows
+  r = r0 + o_r
+  b_k = tl.load(ring_k + (r[:, None] * H + i_h) * K + o_k[None, :],
+                mask=mask_r[:, None] & mask_k[None, :], other=0.).to(tl.float32)
+  b_v = tl.load(ring_v + (r[:, None] * HV + i_hv) * V + o_v[None, :],
+                mask=mask_r[:, None] & mask_v[None, :], other=0.).to(tl.float32)
+  if USE_QK_L2NORM:
+    b_k = l2norm_rows(b_k)
+  if USE_G:
+    # One decay per RING_G_STEPS rows, on the first of them (the others decay by exp(0) = 1).
+    b_g = tl.load(ring_g + (g0 + o_r // RING_G_STEPS) * HV + i_hv,
+                  mask=mask_r & (o_r % RING_G_STEPS == 0), other=0.).to(tl.float32)
+    b_G = tl.cumsum(b_g, 0)
+  else:
+    b_G = tl.zeros([BR], dtype=tl.float32)
+  b_G_last = tl.sum(tl.where(o_r == n_rows - 1, b_G, 0.), 0)
+  b_A = tl.dot(b_k, tl.trans(b_k), input_precision=DOT_PRECISION)
+  b_A = tl.where(o_r[:, None] > o_r[None, :], b_A * tl.exp(b_G[:, None] - b_G[None, :]), 0.)
+  b_u = b_v - tl.exp(b_G)[:, None] * tl.dot(b_k, b_h, input_precision=DOT_PRECISION)
+  if USE_BETA:
+    if IS_BETA_HEADWISE:
+      b_beta = tl.load(ring_beta + r * HV + i_hv, mask=mask_r, other=0.).to(tl.float32)
+      b_u *= b_beta[:, None]
+      b_A *= b_beta[:, None]
+    else:
+      b_beta = tl.load(ring_beta + (r[:, None] * HV + i_hv) * V + o_v[None, :],
+                       mask=mask_r[:, None] & mask_v[None, :], other=0.).to(tl.float32)
+      b_u *= b_beta
+  # Forward substitution by columns: row i is final once rows 0 .. i-1 have been taken out of
+  # it, and is then taken out of every later row. Row i's pick is a reduction over the BR rows
+  # of the tile (BR * BV values), not over K.
+  for i in range(0, n_rows):
+    u_i = tl.sum(tl.where(o_r[:, None] == i, b_u, 0.), 0)
+    a_i = tl.sum(tl.where(o_r[None, :] == i, b_A, 0.), 1)
+    if USE_BETA and not IS_BETA_HEADWISE:
+      b_u -= b_beta * (a_i[:, None] * u_i[None, :])
+    else:
+      b_u -= a_i[:, None] * u_i[None, :]
+  b_k *= tl.exp(b_G_last - b_G)[:, None]
+  return tl.exp(b_G_last) * b_h + tl.dot(tl.trans(b_k), b_u, input_precision=DOT_PRECISION)
+
+
+@triton.jit
 def fused_recurrent_fwd_kernel(
     # inputs
     q,              # [B, T, H, K]
@@ -81,6 +141,7 @@ def fused_recurrent_fwd_kernel(
     NR: tl.constexpr,
     BK: tl.constexpr,
     BV: tl.constexpr,
+    BR: tl.constexpr,   # >= NR and >= 16 (tl.dot tiles), a power of two   (REPLAY_BLOCK)
     STEPS_PER_TOKEN: tl.constexpr,
     RING_G_STEPS: tl.constexpr,
     # flags
@@ -96,6 +157,8 @@ def fused_recurrent_fwd_kernel(
     IS_VARLEN: tl.constexpr,
     HAS_NUM_ACCEPTED: tl.constexpr,
     HAS_REPLAY: tl.constexpr,
+    REPLAY_BLOCK: tl.constexpr,   # the replay in block form, else token by token
+    DOT_PRECISION: tl.constexpr,  # of the block form's products: "ieee" or "tf32x3"
 ):
   i_v, i_n, i_hv, i_h = decode_program(triton.cdiv(V, BV), HV, H)
 
@@ -138,25 +201,32 @@ def fused_recurrent_fwd_kernel(
       # the ring.
       n_acc = tl.minimum(tl.maximum(tl.load(num_accepted + i_n).to(tl.int64), 0),
                          NR // STEPS_PER_TOKEN)
-      # The token loop below without queries and outputs, over ring rows r of this slot.
-      for s in range(0, n_acc * STEPS_PER_TOKEN):
-        r = slot * NR + s
-        b_k = tl.load(ring_k + (r * H + i_h) * K + o_k, mask=mask_k, other=0.).to(tl.float32)
-        b_v = tl.load(ring_v + (r * HV + i_hv) * V + o_v, mask=mask_v, other=0.).to(tl.float32)
-        if USE_QK_L2NORM:
-          b_k = l2norm_rows(b_k)
-        if USE_G:
-          # Rows between two decays (the M - 1 later copies of a token) decay by exp(0) = 1.
-          b_g = tl.load(ring_g + (slot * (NR // RING_G_STEPS) + s // RING_G_STEPS) * HV + i_hv)
-          b_h *= tl.exp(tl.where(s % RING_G_STEPS == 0, b_g.to(tl.float32), 0.))
-        b_v -= tl.sum(b_h * b_k[:, None], 0)
-        if USE_BETA:
-          if IS_BETA_HEADWISE:
-            b_v *= tl.load(ring_beta + r * HV + i_hv).to(tl.float32)
-          else:
-            b_v *= tl.load(ring_beta + (r * HV + i_hv) * V + o_v, mask=mask_v,
-                           other=0.).to(tl.float32)
-        b_h += b_k[:, None] * b_v[None, :]
+      if REPLAY_BLOCK:
+        if n_acc > 0:
+          b_h = replay_block(b_h, ring_k, ring_v, ring_g, ring_beta, slot * NR,
+                             slot * (NR // RING_G_STEPS), n_acc * STEPS_PER_TOKEN, i_h, i_hv,
+                             o_k, o_v, mask_k, mask_v, H, HV, K, V, BR, RING_G_STEPS, USE_G,
+                             USE_BETA, IS_BETA_HEADWISE, USE_QK_L2NORM, DOT_PRECISION)
+      else:
+        # The token loop below without queries and outputs, over ring rows r of this slot.
+        for s in range(0, n_acc * STEPS_PER_TOKEN):
+          r = slot * NR + s
+          b_k = tl.load(ring_k + (r * H + i_h) * K + o_k, mask=mask_k, other=0.).to(tl.float32)
+          b_v = tl.load(ring_v + (r * HV + i_hv) * V + o_v, mask=mask_v, other=0.).to(tl.float32)
+          if USE_QK_L2NORM:
+            b_k = l2norm_rows(b_k)
+          if USE_G:
+            # Rows between two decays (the M - 1 later copies of a token) decay by exp(0) = 1.
+            b_g = tl.load(ring_g + (slot * (NR // RING_G_STEPS) + s // RING_G_STEPS) * HV + i_hv)
+            b_h *= tl.exp(tl.where(s % RING_G_STEPS == 0, b_g.to(tl.float32), 0.))
+          b_v -= tl.sum(b_h * b_k[:, None], 0)
+          if USE_BETA:
+            if IS_BETA_HEADWISE:
+              b_v *= tl.load(ring_beta + r * HV + i_hv).to(tl.float32)
+            else:
+              b_v *= tl.load(ring_beta + (r * HV + i_hv) * V + o_v, mask=mask_v,
+                             other=0.).to(tl.float32)
+          b_h += b_k[:, None] * b_v[None, :]
       if n_acc > 0:
         tl.store(state_out + p_state, b_h.to(state_out.dtype.element_ty), mask=mask_h)
         # The new tokens start from the checkpoint as stored, so that this step equals the

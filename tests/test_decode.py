@@ -344,7 +344,7 @@ def check_replay_ring(ring, old, x, slots, live):
     assert bits_equal(np.asarray(r)[~live], np.asarray(r_old)[~live]), f"ring {name}: slot changed"
 
 
-def check_replay(N, D, M, H, HV, K, V, S, dtype, backend, seed=0):
+def check_replay(N, D, M, H, HV, K, V, S, dtype, backend, seed=0, config=None):
   """Checkpoint and replay. Step one starts after prefill (counts 0, a NaN ring). Step two
   replays each request's first counts[i] tokens of step one (every count 0..D over the rounds)
   and equals the reference run on only those tokens of step one, then all of step two; its
@@ -362,11 +362,12 @@ def check_replay(N, D, M, H, HV, K, V, S, dtype, backend, seed=0):
   slots = np.asarray(a["state_indices"])
   live = np.zeros(S, bool)
   live[slots[slots >= 0]] = True
-  kw = dict(num_householder=M, state_indices=a["state_indices"], backend=backend)
+  kw = dict(num_householder=M, state_indices=a["state_indices"], backend=backend, config=config)
   step = jax.jit(lambda x, c, r, n: gdp_jax.gated_delta_product_decode(
       **x, state=c, num_accepted=n, replay_ring=r, **kw), donate_argnums=(1, 2))
   commit = jax.jit(lambda c, r, n: gdp_jax.commit_replay(
-      c, r, a["state_indices"], n, steps_per_token=M, backend=backend), donate_argnums=(0,))
+      c, r, a["state_indices"], n, steps_per_token=M, config=config, backend=backend),
+      donate_argnums=(0,))
   plain = jax.jit(lambda x, c: gdp_jax.gated_delta_product_decode(**x, state=c, **kw))
   tol = RTOL[dtype]
   state_tol = 1e-5 if dtype == "float32" else 1e-2
@@ -411,24 +412,43 @@ def check_replay(N, D, M, H, HV, K, V, S, dtype, backend, seed=0):
 
 
 REPLAY_CASES = [(3, 3, 2, 1, 2, 8, 8, 5, "float32"), (4, 2, 1, 2, 4, 16, 8, 6, "bfloat16"),
-                (3, 2, 3, 1, 1, 8, 16, 4, "float32")]
+                (3, 2, 3, 1, 1, 8, 16, 4, "float32"),
+                # 8 draft tokens of 2 rows (the block form's 16 rows), K and V not powers of two
+                (2, 8, 2, 1, 1, 100, 80, 3, "float32"),
+                # 24 rows (a 32-row block), V over two V blocks
+                (2, 8, 3, 1, 1, 16, 20, 3, "float32")]
 
 
+def _replay_config(K, V, replay):
+  return dataclasses.replace(_configs.decode_config(K, V), replay=replay)
+
+
+@pytest.mark.parametrize("path", ["tokens", "ieee"])
 @pytest.mark.parametrize("case", REPLAY_CASES, ids=_case_id)
-def test_replay_step_equals_accepted_tokens_then_new(case):
-  check_replay(*case, backend=KERNEL_BACKEND)
+def test_replay_step_equals_accepted_tokens_then_new(case, path):
+  """Both replay paths: the token loop and the block form."""
+  check_replay(*case, backend=KERNEL_BACKEND, config=_replay_config(case[5], case[6], path))
+
+
+def test_replay_step_block_tf32x3():
+  """The block form's other product precision (the interpreter computes every product in
+  float32, so this checks the wiring; the GPU test checks its accuracy)."""
+  check_replay(2, 3, 2, 1, 2, 100, 80, 3, "float32", backend=KERNEL_BACKEND,
+               config=_replay_config(100, 80, "tf32x3"))
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", [(64, 4, 2, 16, 32, 128, 128, 80, "float32"),
                                   (16, 3, 3, 6, 6, 256, 512, 20, "bfloat16")],
                          ids=_case_id)
-def test_replay_step_equals_accepted_tokens_then_new_gpu(case):
-  check_replay(*case, backend="triton", seed=3)
+@pytest.mark.parametrize("path", ["tokens", "ieee", "tf32x3"])
+def test_replay_step_equals_accepted_tokens_then_new_gpu(case, path):
+  check_replay(*case, backend="triton", seed=3, config=_replay_config(case[5], case[6], path))
 
 
+@pytest.mark.parametrize("path", ["tokens", "ieee"])
 @pytest.mark.parametrize("spt,beta,l2norm", [(1, "elem", True), (2, "head", False)])
-def test_fused_recurrent_replay(spt, beta, l2norm):
+def test_fused_recurrent_replay(spt, beta, l2norm, path):
   """The fused recurrent entry point with a ring (g per recurrence step, element-wise beta)
   against its reference twin, then commit_replay of the new ring; slot -1 is padding."""
   B, T, H, HV, K, V, S = 3, 4, 1, 2, 16, 8, 5
@@ -449,8 +469,9 @@ def test_fused_recurrent_replay(spt, beta, l2norm):
   counts = jnp.asarray([T // spt, 5, 1], jnp.int32)
   kw = dict(state_indices=slots, num_accepted=counts, steps_per_token=spt,
             use_qk_l2norm_in_kernel=l2norm)
+  cfg = _replay_config(K, V, path)
   o, state, new_ring = gdp_jax.fused_recurrent_gated_delta_rule(
-      **x, state=cache, replay_ring=ring, **kw, backend=KERNEL_BACKEND)
+      **x, state=cache, replay_ring=ring, **kw, config=cfg, backend=KERNEL_BACKEND)
   o_ref, state_ref, ring_ref = reference.fused_recurrent_gated_delta_rule(
       **_upcast(x), state=_upcast(cache), replay_ring=_upcast(ring), **kw)
   assert np.all(np.asarray(o)[1] == 0)
@@ -459,7 +480,8 @@ def test_fused_recurrent_replay(spt, beta, l2norm):
   assert bits_equal(np.asarray(state)[~live], np.asarray(cache)[~live])
   check_replay_ring(new_ring, ring, x, np.asarray(slots), live)
   committed = gdp_jax.commit_replay(state, new_ring, slots, counts, steps_per_token=spt,
-                                    use_qk_l2norm_in_kernel=l2norm, backend=KERNEL_BACKEND)
+                                    use_qk_l2norm_in_kernel=l2norm, config=cfg,
+                                    backend=KERNEL_BACKEND)
   want = reference.commit_replay(_upcast(state), _upcast(new_ring), slots, counts,
                                  steps_per_token=spt, use_qk_l2norm_in_kernel=l2norm)
   assert_close("committed", np.asarray(want)[live], np.asarray(committed)[live], 1e-5)
@@ -587,6 +609,24 @@ def test_config_argument():
   assert_close("o", o_ref, o, RTOL["float32"])
   with pytest.raises(ValueError, match="config: expected"):
     gdp_jax.gated_delta_product_decode(**a, **kw, config=dict(BV=8, num_warps=1))
+  with pytest.raises(ValueError, match="config: expected replay 'ieee', 'tf32x3' or 'tokens'"):
+    gdp_jax.gated_delta_product_decode(
+        **a, **kw, config=_configs.DecodeConfig(BV=16, num_warps=1, replay="tf32"))
+  ring = tuple(jnp.zeros((3, 2) + x.shape[2:], x.dtype) for x in (a["k"], a["v"], a["beta"]))
+  ring = ring[:2] + (jnp.zeros((3, 1, 2), jnp.float32),) + ring[2:]
+  replay = dict(a, intermediate_states=None, num_accepted=jnp.zeros((2,), jnp.int32),
+                replay_ring=ring)
+  with pytest.raises(ValueError, match="config: the block replay .* needs BV >= 16"):
+    gdp_jax.gated_delta_product_decode(
+        **replay, **kw, config=_configs.DecodeConfig(BV=8, num_warps=1, replay="ieee"))
+  with pytest.raises(ValueError, match="config: the block replay .* needs BV >= 16"):
+    gdp_jax.commit_replay(a["state"], ring, a["state_indices"], replay["num_accepted"],
+                          steps_per_token=2,
+                          config=_configs.DecodeConfig(BV=8, num_warps=1, replay="ieee"),
+                          backend=KERNEL_BACKEND)
+  o, _, _ = gdp_jax.gated_delta_product_decode(
+      **replay, **kw, config=_configs.DecodeConfig(BV=8, num_warps=1, replay="tokens"))
+  assert_close("o (replay, tokens, BV 8)", o_ref, o, RTOL["float32"])
 
 
 def test_traced_num_accepted_out_of_range_is_clamped():

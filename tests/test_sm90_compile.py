@@ -14,8 +14,10 @@ and the test process has imported it in interpreter mode (conftest.py).
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -37,6 +39,9 @@ CASES = [("prefill", "bfloat16", 256, 512, 2), ("prefill", "float32", 256, 512, 
          ("speculative", "bfloat16", 256, 512, 4),
          ("replay", "bfloat16", 256, 512, 4), ("replay", "float32", 128, 128, 4),
          ("commit", "bfloat16", 256, 512, 4),
+         # The block-form replay (DecodeConfig.replay="ieee", opt-in): compiled and reported;
+         # it spills (docs/performance.md, "Decode step").
+         ("replay_block", "float32", 128, 128, 4), ("commit_block", "bfloat16", 256, 512, 4),
          ("train", "bfloat16", 256, 512, 2), ("train", "float32", 256, 512, 2),
          ("train", "bfloat16", 128, 128, 16), ("train", "float32", 128, 128, 16),
          ("train", "bfloat16", 128, 128, 1), ("train", "float32", 256, 512, 1)]
@@ -47,7 +52,7 @@ def _record_launches(what, dtype, K, V, N):
   import jax
   import jax.numpy as jnp
   import gdp_jax
-  from gdp_jax import _backends, _launch_jax_triton, _launch_spec
+  from gdp_jax import _backends, _configs, _launch_jax_triton, _launch_spec
 
   launches = []
 
@@ -86,8 +91,11 @@ def _record_launches(what, dtype, K, V, N):
       return jnp.sum(o.astype(f32)) + jnp.sum(ht)
 
     run = jax.grad(loss, argnums=tuple(range(6)))
-  elif what in ("replay", "commit"):
+  elif what.split("_")[0] in ("replay", "commit"):
     D = 3
+    config = None
+    if what.endswith("_block"):
+      config = dataclasses.replace(_configs.decode_config(K, V), replay="ieee")
     ring = (sds((S, D * M, H, K), dt), sds((S, D * M, HV, V), dt), sds((S, D, HV), f32),
             sds((S, D * M, HV), dt))
     args = (sds((N, D, H, K), dt), sds((N, D * M, H, K), dt), sds((N, D * M, HV, V), dt),
@@ -96,13 +104,14 @@ def _record_launches(what, dtype, K, V, N):
 
     def run(q, k, v, g, beta, state, idx, ring, accepted):
       # "replay": the checkpoint + replay step; "commit": the replay alone.
-      if what == "commit":
+      if what.startswith("commit"):
         return gdp_jax.commit_replay(state, ring, idx, accepted, steps_per_token=M,
-                                     use_qk_l2norm_in_kernel=True, backend="triton")
+                                     use_qk_l2norm_in_kernel=True, config=config,
+                                     backend="triton")
       return gdp_jax.gated_delta_product_decode(
           q, k, v, g, beta, num_householder=M, state=state, state_indices=idx,
           num_accepted=accepted, replay_ring=ring, use_qk_l2norm_in_kernel=True,
-          backend="triton")
+          config=config, backend="triton")
   else:
     D = 3
     args = (sds((N, D, H, K), dt), sds((N, D * M, H, K), dt), sds((N, D * M, HV, V), dt),
@@ -150,6 +159,20 @@ def _signature(fn, args, out_shape, constexprs):
   return sig, consts, attrs
 
 
+def _resource_usage(triton, cubin):
+  """(registers, stack bytes) per thread of a cubin, from the cuobjdump that ships with
+  Triton; a nonzero stack is ptxas spilling registers to local memory."""
+  import tempfile
+  tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+  with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+    f.write(cubin)
+    f.flush()
+    out = subprocess.run([tool, "--dump-resource-usage", f.name], capture_output=True,
+                         text=True, check=True).stdout
+  m = re.search(r"REG:(\d+) STACK:(\d+)", out)
+  return int(m.group(1)), int(m.group(2))
+
+
 def main():
   import triton
   from triton.backends.compiler import GPUTarget
@@ -166,11 +189,13 @@ def main():
       kernel = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs),
                               target=GPUTarget("cuda", 90, 32),
                               options=dict(num_warps=warps, num_stages=stages))
+      regs, stack = _resource_usage(triton, kernel.asm["cubin"])
       report.append(dict(case=list(case), kernel=fn.__name__, num_warps=warps,
-                         num_stages=stages, shared=kernel.metadata.shared))
+                         num_stages=stages, shared=kernel.metadata.shared, regs=regs,
+                         stack=stack))
       if verbose:
-        print(case, fn.__name__, warps, stages, "shared", kernel.metadata.shared,
-              file=sys.stderr)
+        print(case, fn.__name__, warps, stages, "shared", kernel.metadata.shared, "regs", regs,
+              "stack", stack, file=sys.stderr)
   print(json.dumps(report))
 
 
@@ -194,6 +219,10 @@ def test_every_launch_fits_sm90_shared_memory():
   assert any("decode" in k or "recurrent" in k for k in kernels), kernels
   over = [r for r in report if r["shared"] > SM90_MAX_SHARED]
   assert not over, f"over the {SM90_MAX_SHARED} bytes of an sm_90 block: {over}"
+  # The decode kernel under the configs the library picks keeps its state in registers.
+  spills = [r for r in report if r["kernel"] == "fused_recurrent_fwd_kernel"
+            and not r["case"][0].endswith("_block") and r["stack"]]
+  assert not spills, f"the decode kernel spills: {spills}"
 
 
 if __name__ == "__main__":
