@@ -34,9 +34,9 @@ $OUT/decode.json as soon as it exists, tables go to stdout):
    N = 256, HV = 16, D in {1, 2, 4, 8}, random counts in 1..D, beside the `num_accepted` step
    (snapshots), the plain D = 1 step and fla-core's D-token step; checked bit for bit against
    `commit_replay` followed by the plain step, and against the jnp reference. Beside each
-   shape, rows under the library's tile with the other replay paths (`DecodeConfig.replay`:
-   the block form at "ieee" or "tf32x3" products, or the token loop "tokens");
-   `--replay-configs 8x1x1,16x1x2xtokens` adds rows under other kernel configs (BV x warps x
+   shape, a row under the library's tile with the other replay path (`DecodeConfig.replay`:
+   the token loop "tokens" or the block form "block");
+   `--replay-configs 8x1x1,16x1x2xblock` adds rows under other kernel configs (BV x warps x
    stages, optionally x replay path).
 6. A config sweep (BV x num_warps x num_stages through the decode entry point's `config`
    argument; --sweep-grid picks the grid, D too) at N = 256, 1, 8, HV = 16, D = 1, each config
@@ -922,7 +922,7 @@ def main():
       replay_shapes = [(2, 2, 1, 3), (2, 2, 3, 3)] if b.smoke else [
           (256, 16, D, 256) for D in (4, 1, 2, 8)]
       default = b.configs.decode_config(b.K, b.V).replay
-      cfgs = ([""] + [r for r in ("ieee", "tf32x3", "tokens") if r != default]
+      cfgs = ([""] + [r for r in ("tokens", "block") if r != default]
               + list(filter(None, args.replay_configs.split(","))))
       rrows = [common.run_row(results, "replay", dict(N=N, HV=HV, D=D, S=S, cfg=c),
                               b.replay_row, budget)

@@ -23,10 +23,9 @@ class DecodeConfig:
   num_warps: int
   num_stages: int = 1
   # How a replay step (replay_ring) and commit_replay replay the accepted ring rows: "tokens"
-  # for the token loop, "ieee" or "tf32x3" for the block (WY) form with its products at that
-  # precision (both float32-level; docs/performance.md, "Decode step"). Both calls under one
-  # config take the same path, so a replay step's checkpoint is commit_replay's bit for bit;
-  # the paths differ in rounding.
+  # for the token loop, "block" for the block (WY) form (docs/algorithm.md §13.4). Both calls
+  # under one config take the same path, so a replay step's checkpoint is commit_replay's bit
+  # for bit; the two paths differ in rounding.
   replay: str = "tokens"
 
 
@@ -51,8 +50,7 @@ def decode_config(K: int, V: int) -> DecodeConfig:
   there for more programs on the 132 SMs is not kept.
   """
   BK = _next_pow2(K)
-  # 16 even where V is smaller: the block replay's products take tiles of at least 16.
-  BV = 16
+  BV = min(16, _next_pow2(V))
   # Keep the state tile at 64 float32 registers per thread or fewer (K = 256 takes two warps).
   num_warps = max(1, min(8, BK * BV // (64 * 32)))
   return DecodeConfig(BV=BV, num_warps=num_warps)

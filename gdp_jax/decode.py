@@ -90,7 +90,7 @@ def fused_recurrent_gated_delta_rule(
   if backend == "reference":
     from gdp_jax import reference
     return _backends.call_jitted(reference.fused_recurrent_gated_delta_rule, arrays, **static)
-  config = _config(config, dims, replay_ring is not None)
+  config = _config(config, dims)
   if replay_ring is not None:
     return _backends.call_jitted(_fused_recurrent_replay, arrays, dims=dims, backend=backend,
                                  config=config, **static)
@@ -123,19 +123,14 @@ def _push_ring(ring, state_indices, rows):
                for r, x in zip(ring, rows))
 
 
-def _config(config, dims, replay):
-  """The config given or picked; `replay`: the call replays a ring."""
+def _config(config, dims):
   if config is None:
     return _configs.decode_config(dims.K, dims.V)
   if not isinstance(config, _configs.DecodeConfig):
     raise ValueError(f"config: expected a gdp_jax._configs.DecodeConfig or None, got "
                      f"{type(config).__name__}")
-  if config.replay not in ("ieee", "tf32x3", "tokens"):
-    raise ValueError(f"config: expected replay 'ieee', 'tf32x3' or 'tokens', got "
-                     f"{config.replay!r}")
-  if replay and config.replay != "tokens" and config.BV < 16:
-    raise ValueError(f"config: the block replay (replay={config.replay!r}) needs BV >= 16 for "
-                     f"its tl.dot tiles, got BV={config.BV}; use a wider BV or replay='tokens'")
+  if config.replay not in ("tokens", "block"):
+    raise ValueError(f"config: expected replay 'tokens' or 'block', got {config.replay!r}")
   return config
 
 
@@ -182,6 +177,7 @@ def _fused_recurrent_fwd(q, k, v, g, beta, *, dims, backend, config, scale, init
       jax.ShapeDtypeStruct(intermediate_states.shape if has_inter else (1,),
                            intermediate_states.dtype if has_inter else f32),
   )
+  BK, BR = _configs._next_pow2(K), _configs._next_pow2(NR)
   aliases = {}
   if has_state:
     aliases[6] = 2
@@ -191,10 +187,12 @@ def _fused_recurrent_fwd(q, k, v, g, beta, *, dims, backend, config, scale, init
       "fused_recurrent.fused_recurrent_fwd_kernel", *args,
       grid=(-(-V // config.BV) * N * HV,), out_shape=out_shape, backend=backend,
       input_output_aliases=aliases, num_warps=config.num_warps, num_stages=config.num_stages,
-      # BK and BR at least 16: the block replay's tl.dot tiles (the plain step masks the
-      # padding of K).
-      H=H, HV=HV, K=K, V=V, NI=NI, NR=NR, BK=max(16, _configs._next_pow2(K)), BV=config.BV,
-      BR=max(16, _configs._next_pow2(NR)), STEPS_PER_TOKEN=steps_per_token,
+      H=H, HV=HV, K=K, V=V, NI=NI, NR=NR, BK=BK, BV=config.BV, BR=BR,
+      # The block replay's Gram matrix takes [BR, BR, BKC] products at a time, 1024 values or
+      # fewer (32 registers per thread at one warp). RG = 2 rows in flight keep it at the
+      # token loop's 128 registers at K = V = 128 float32 on sm_90 (RG = 4: 168 registers and
+      # 8 B of stack).
+      BKC=max(1, min(BK, 1024 // (BR * BR))), RG=2, STEPS_PER_TOKEN=steps_per_token,
       RING_G_STEPS=NR // ring_g.shape[1] if ring_g is not None else 1,
       USE_G=use_g, USE_BETA=beta_like is not None,
       IS_BETA_HEADWISE=beta_like is None or beta_like.ndim == 3,
@@ -204,8 +202,7 @@ def _fused_recurrent_fwd(q, k, v, g, beta, *, dims, backend, config, scale, init
       STORE_INTERMEDIATE=has_inter, IS_VARLEN=cu_seqlens is not None,
       HAS_NUM_ACCEPTED=num_accepted is not None and not replay, HAS_REPLAY=replay,
       # Off without a ring, so a plain step compiles one variant whatever the config says.
-      REPLAY_BLOCK=replay and config.replay != "tokens",
-      DOT_PRECISION=config.replay if replay and config.replay != "tokens" else "ieee")
+      REPLAY_BLOCK=replay and config.replay == "block")
   if replay:
     return o, new_state
   if cu_seqlens is not None:
@@ -293,7 +290,7 @@ def gated_delta_product_decode(q, k, v, g, beta, *, num_householder, state, stat
     return _backends.call_jitted(reference.gated_delta_product_decode, arrays, scale=scale,
                                  **static)
   scale = dims.K ** -0.5 if scale is None else float(scale)
-  config = _config(config, dims, replay_ring is not None)
+  config = _config(config, dims)
   return _backends.call_jitted(_gdp_decode_fold, arrays, scale=scale, dims=dims,
                                backend=backend, config=config, **static)
 
@@ -414,7 +411,7 @@ def commit_replay(state, replay_ring, state_indices, num_accepted, *, steps_per_
     from gdp_jax import reference
     return _backends.call_jitted(reference.commit_replay, arrays, **static)
   return _backends.call_jitted(_commit_replay, arrays, dims=dims, backend=backend,
-                               config=_config(config, dims, True), **static)
+                               config=_config(config, dims), **static)
 
 
 def _commit_replay(state, replay_ring, state_indices, num_accepted, *, dims, backend, config,

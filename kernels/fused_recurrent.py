@@ -48,29 +48,47 @@ from ._common import decode_program, l2norm_rows
 @triton.jit
 def replay_block(b_h, ring_k, ring_v, ring_g, ring_beta, r0, g0, n_rows, i_h, i_hv, o_k, o_v,
                  mask_k, mask_v, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
-                 V: tl.constexpr, BR: tl.constexpr, RING_G_STEPS: tl.constexpr,
+                 V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BR: tl.constexpr,
+                 BKC: tl.constexpr, RG: tl.constexpr, RING_G_STEPS: tl.constexpr,
                  USE_G: tl.constexpr, USE_BETA: tl.constexpr, IS_BETA_HEADWISE: tl.constexpr,
-                 USE_QK_L2NORM: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                 USE_QK_L2NORM: tl.constexpr):
   """The [BK, BV] state b_h after ring rows r0 .. r0 + n_rows - 1 (1 <= n_rows <= BR), in block
   (WY) form (docs/algorithm.md §13.4). g0 is the ring_g row of row r0.
 
   With G the inclusive cumsum of the row decays, P = K S0 and A[i, c] = exp(G_i - G_c) k_i.k_c
   for c < i, row i's update is u_i = beta_i (v_i - exp(G_i) P_i - sum_c A[i, c] u_c), and
-  S_end = exp(G_last) S0 + sum_i exp(G_last - G_i) k_i u_i^T. All rows load at once and the
-  state is read by one product and updated by one, so the serial part left is the forward
-  substitution for u on a [BR, BV] tile: no load and no reduction over K in its chain, where
-  the token loop has both in every step. Every exponent is <= 0 for decays <= 0. Rows at or
-  past n_rows load as zeros (k = v = 0, g = 0): their u is 0 and they change nothing.
+  S_end = exp(G_last) S0 + sum_i exp(G_last - G_i) k_i u_i^T. The rows of P are reductions over
+  K and S_end is rank-1 updates, as in the token loop, but no row waits for another: RG rows
+  are loaded and reduced at once. The one serial chain left is the forward substitution for u
+  on a [BR, BV] tile, with no load and no reduction over K in it. The products stay in
+  registers: tl.dot with float32 operands over K did not fit beside the state at one warp
+  (168 registers and 2.5 KB of stack on sm_90 at K = V = 128). Every exponent is <= 0 for
+  decays <= 0. Rows at or past n_rows load as zeros (k = v = 0, g = 0): their u is 0 and they
+  change nothing.
   """
   o_r = tl.arange(0, BR)
   mask_r = o_r < n_rows
   r = r0 + o_r
-  b_k = tl.load(ring_k + (r[:, None] * H + i_h) * K + o_k[None, :],
-                mask=mask_r[:, None] & mask_k[None, :], other=0.).to(tl.float32)
-  b_v = tl.load(ring_v + (r[:, None] * HV + i_hv) * V + o_v[None, :],
-                mask=mask_r[:, None] & mask_v[None, :], other=0.).to(tl.float32)
+  # Gram matrix of the raw keys, BKC key columns at a time ([BR, BR, BKC] products live).
+  o_c = tl.arange(0, BKC)
+  b_A = tl.zeros([BR, BR], dtype=tl.float32)
+  for kc in tl.static_range(0, BK, BKC):
+    b_kc = tl.load(ring_k + (r[:, None] * H + i_h) * K + kc + o_c[None, :],
+                   mask=mask_r[:, None] & (kc + o_c < K)[None, :], other=0.).to(tl.float32)
+    b_A += tl.sum(b_kc[:, None, :] * b_kc[None, :, :], 2)
   if USE_QK_L2NORM:
-    b_k = l2norm_rows(b_k)
+    # l2norm_rows on each key, as 1 / sqrt(sum(k^2) + 1e-6) from the Gram diagonal.
+    b_inv = 1. / tl.sqrt(tl.sum(tl.where(o_r[:, None] == o_r[None, :], b_A, 0.), 1) + 1e-6)
+  else:
+    b_inv = tl.full([BR], 1., dtype=tl.float32)
+  # P = K S0, one independent reduction over K per row.
+  p_k = ring_k + i_h * K + o_k
+  b_P = tl.zeros([BR, BV], dtype=tl.float32)
+  for i0 in range(0, n_rows, RG):
+    for j in tl.static_range(RG):
+      b_k = tl.load(p_k + (r0 + i0 + j) * H * K, mask=mask_k & (o_k * 0 + i0 + j < n_rows),
+                    other=0.).to(tl.float32)
+      b_P = tl.where(o_r[:, None] == i0 + j, tl.sum(b_h * b_k[:, None], 0)[None, :], b_P)
   if USE_G:
     # One decay per RING_G_STEPS rows, on the first of them (the others decay by exp(0) = 1).
     b_g = tl.load(ring_g + (g0 + o_r // RING_G_STEPS) * HV + i_hv,
@@ -79,9 +97,11 @@ def replay_block(b_h, ring_k, ring_v, ring_g, ring_beta, r0, g0, n_rows, i_h, i_
   else:
     b_G = tl.zeros([BR], dtype=tl.float32)
   b_G_last = tl.sum(tl.where(o_r == n_rows - 1, b_G, 0.), 0)
-  b_A = tl.dot(b_k, tl.trans(b_k), input_precision=DOT_PRECISION)
+  b_A *= b_inv[:, None] * b_inv[None, :]
   b_A = tl.where(o_r[:, None] > o_r[None, :], b_A * tl.exp(b_G[:, None] - b_G[None, :]), 0.)
-  b_u = b_v - tl.exp(b_G)[:, None] * tl.dot(b_k, b_h, input_precision=DOT_PRECISION)
+  b_v = tl.load(ring_v + (r[:, None] * HV + i_hv) * V + o_v[None, :],
+                mask=mask_r[:, None] & mask_v[None, :], other=0.).to(tl.float32)
+  b_u = b_v - (tl.exp(b_G) * b_inv)[:, None] * b_P
   if USE_BETA:
     if IS_BETA_HEADWISE:
       b_beta = tl.load(ring_beta + r * HV + i_hv, mask=mask_r, other=0.).to(tl.float32)
@@ -92,8 +112,8 @@ def replay_block(b_h, ring_k, ring_v, ring_g, ring_beta, r0, g0, n_rows, i_h, i_
                        mask=mask_r[:, None] & mask_v[None, :], other=0.).to(tl.float32)
       b_u *= b_beta
   # Forward substitution by columns: row i is final once rows 0 .. i-1 have been taken out of
-  # it, and is then taken out of every later row. Row i's pick is a reduction over the BR rows
-  # of the tile (BR * BV values), not over K.
+  # it, and is then taken out of every later row; each pick is a reduction over the BR rows of
+  # the tile, not over K.
   for i in range(0, n_rows):
     u_i = tl.sum(tl.where(o_r[:, None] == i, b_u, 0.), 0)
     a_i = tl.sum(tl.where(o_r[None, :] == i, b_A, 0.), 1)
@@ -101,8 +121,15 @@ def replay_block(b_h, ring_k, ring_v, ring_g, ring_beta, r0, g0, n_rows, i_h, i_
       b_u -= b_beta * (a_i[:, None] * u_i[None, :])
     else:
       b_u -= a_i[:, None] * u_i[None, :]
-  b_k *= tl.exp(b_G_last - b_G)[:, None]
-  return tl.exp(b_G_last) * b_h + tl.dot(tl.trans(b_k), b_u, input_precision=DOT_PRECISION)
+  # S_end, one independent rank-1 update per row (normalisation and decay folded into u).
+  b_u *= (tl.exp(b_G_last - b_G) * b_inv)[:, None]
+  b_h *= tl.exp(b_G_last)
+  for i0 in range(0, n_rows, RG):
+    for j in tl.static_range(RG):
+      b_k = tl.load(p_k + (r0 + i0 + j) * H * K, mask=mask_k & (o_k * 0 + i0 + j < n_rows),
+                    other=0.).to(tl.float32)
+      b_h += b_k[:, None] * tl.sum(tl.where(o_r[:, None] == i0 + j, b_u, 0.), 0)[None, :]
+  return b_h
 
 
 @triton.jit
@@ -141,7 +168,9 @@ def fused_recurrent_fwd_kernel(
     NR: tl.constexpr,
     BK: tl.constexpr,
     BV: tl.constexpr,
-    BR: tl.constexpr,   # >= NR and >= 16 (tl.dot tiles), a power of two   (REPLAY_BLOCK)
+    BR: tl.constexpr,   # NR rounded up to a power of two                     (REPLAY_BLOCK)
+    BKC: tl.constexpr,  # key columns per step of the block replay's Gram matrix (REPLAY_BLOCK)
+    RG: tl.constexpr,   # ring rows the block replay keeps in flight at once   (REPLAY_BLOCK)
     STEPS_PER_TOKEN: tl.constexpr,
     RING_G_STEPS: tl.constexpr,
     # flags
@@ -157,8 +186,7 @@ def fused_recurrent_fwd_kernel(
     IS_VARLEN: tl.constexpr,
     HAS_NUM_ACCEPTED: tl.constexpr,
     HAS_REPLAY: tl.constexpr,
-    REPLAY_BLOCK: tl.constexpr,   # the replay in block form, else token by token
-    DOT_PRECISION: tl.constexpr,  # of the block form's products: "ieee" or "tf32x3"
+    REPLAY_BLOCK: tl.constexpr,  # the replay in block form, else token by token
 ):
   i_v, i_n, i_hv, i_h = decode_program(triton.cdiv(V, BV), HV, H)
 
@@ -205,8 +233,8 @@ def fused_recurrent_fwd_kernel(
         if n_acc > 0:
           b_h = replay_block(b_h, ring_k, ring_v, ring_g, ring_beta, slot * NR,
                              slot * (NR // RING_G_STEPS), n_acc * STEPS_PER_TOKEN, i_h, i_hv,
-                             o_k, o_v, mask_k, mask_v, H, HV, K, V, BR, RING_G_STEPS, USE_G,
-                             USE_BETA, IS_BETA_HEADWISE, USE_QK_L2NORM, DOT_PRECISION)
+                             o_k, o_v, mask_k, mask_v, H, HV, K, V, BK, BV, BR, BKC, RG,
+                             RING_G_STEPS, USE_G, USE_BETA, IS_BETA_HEADWISE, USE_QK_L2NORM)
       else:
         # The token loop below without queries and outputs, over ring rows r of this slot.
         for s in range(0, n_acc * STEPS_PER_TOKEN):

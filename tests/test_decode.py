@@ -412,41 +412,34 @@ def check_replay(N, D, M, H, HV, K, V, S, dtype, backend, seed=0, config=None):
 
 
 REPLAY_CASES = [(3, 3, 2, 1, 2, 8, 8, 5, "float32"), (4, 2, 1, 2, 4, 16, 8, 6, "bfloat16"),
-                (3, 2, 3, 1, 1, 8, 16, 4, "float32"),
-                # 8 draft tokens of 2 rows (the block form's 16 rows), K and V not powers of two
-                (2, 8, 2, 1, 1, 100, 80, 3, "float32"),
-                # 24 rows (a 32-row block), V over two V blocks
-                (2, 8, 3, 1, 1, 16, 20, 3, "float32")]
+                (3, 2, 3, 1, 1, 8, 16, 4, "float32")]
+# The block form's row counts: 8 draft tokens of 2 rows (a 16-row block) with K and V not
+# powers of two, and of 3 rows (24 of a 32-row block) with V over two V blocks.
+BLOCK_REPLAY_CASES = [(2, 8, 2, 1, 1, 100, 80, 3, "float32"), (2, 8, 3, 1, 1, 16, 20, 3, "float32")]
 
 
 def _replay_config(K, V, replay):
   return dataclasses.replace(_configs.decode_config(K, V), replay=replay)
 
 
-@pytest.mark.parametrize("path", ["tokens", "ieee"])
-@pytest.mark.parametrize("case", REPLAY_CASES, ids=_case_id)
+@pytest.mark.parametrize("case,path", [(c, p) for c in REPLAY_CASES for p in ("tokens", "block")]
+                         + [(c, "block") for c in BLOCK_REPLAY_CASES],
+                         ids=lambda x: x if isinstance(x, str) else _case_id(x))
 def test_replay_step_equals_accepted_tokens_then_new(case, path):
   """Both replay paths: the token loop and the block form."""
   check_replay(*case, backend=KERNEL_BACKEND, config=_replay_config(case[5], case[6], path))
-
-
-def test_replay_step_block_tf32x3():
-  """The block form's other product precision (the interpreter computes every product in
-  float32, so this checks the wiring; the GPU test checks its accuracy)."""
-  check_replay(2, 3, 2, 1, 2, 100, 80, 3, "float32", backend=KERNEL_BACKEND,
-               config=_replay_config(100, 80, "tf32x3"))
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", [(64, 4, 2, 16, 32, 128, 128, 80, "float32"),
                                   (16, 3, 3, 6, 6, 256, 512, 20, "bfloat16")],
                          ids=_case_id)
-@pytest.mark.parametrize("path", ["tokens", "ieee", "tf32x3"])
+@pytest.mark.parametrize("path", ["tokens", "block"])
 def test_replay_step_equals_accepted_tokens_then_new_gpu(case, path):
   check_replay(*case, backend="triton", seed=3, config=_replay_config(case[5], case[6], path))
 
 
-@pytest.mark.parametrize("path", ["tokens", "ieee"])
+@pytest.mark.parametrize("path", ["tokens", "block"])
 @pytest.mark.parametrize("spt,beta,l2norm", [(1, "elem", True), (2, "head", False)])
 def test_fused_recurrent_replay(spt, beta, l2norm, path):
   """The fused recurrent entry point with a ring (g per recurrence step, element-wise beta)
@@ -609,24 +602,9 @@ def test_config_argument():
   assert_close("o", o_ref, o, RTOL["float32"])
   with pytest.raises(ValueError, match="config: expected"):
     gdp_jax.gated_delta_product_decode(**a, **kw, config=dict(BV=8, num_warps=1))
-  with pytest.raises(ValueError, match="config: expected replay 'ieee', 'tf32x3' or 'tokens'"):
+  with pytest.raises(ValueError, match="config: expected replay 'tokens' or 'block', got 'wy'"):
     gdp_jax.gated_delta_product_decode(
-        **a, **kw, config=_configs.DecodeConfig(BV=16, num_warps=1, replay="tf32"))
-  ring = tuple(jnp.zeros((3, 2) + x.shape[2:], x.dtype) for x in (a["k"], a["v"], a["beta"]))
-  ring = ring[:2] + (jnp.zeros((3, 1, 2), jnp.float32),) + ring[2:]
-  replay = dict(a, intermediate_states=None, num_accepted=jnp.zeros((2,), jnp.int32),
-                replay_ring=ring)
-  with pytest.raises(ValueError, match="config: the block replay .* needs BV >= 16"):
-    gdp_jax.gated_delta_product_decode(
-        **replay, **kw, config=_configs.DecodeConfig(BV=8, num_warps=1, replay="ieee"))
-  with pytest.raises(ValueError, match="config: the block replay .* needs BV >= 16"):
-    gdp_jax.commit_replay(a["state"], ring, a["state_indices"], replay["num_accepted"],
-                          steps_per_token=2,
-                          config=_configs.DecodeConfig(BV=8, num_warps=1, replay="ieee"),
-                          backend=KERNEL_BACKEND)
-  o, _, _ = gdp_jax.gated_delta_product_decode(
-      **replay, **kw, config=_configs.DecodeConfig(BV=8, num_warps=1, replay="tokens"))
-  assert_close("o (replay, tokens, BV 8)", o_ref, o, RTOL["float32"])
+        **a, **kw, config=_configs.DecodeConfig(BV=16, num_warps=1, replay="wy"))
 
 
 def test_traced_num_accepted_out_of_range_is_clamped():
