@@ -400,7 +400,9 @@ def check_replay(N, D, M, H, HV, K, V, S, dtype, backend, seed=0, config=None):
     o_plain, _ = plain(b, committed)
     assert bits_equal(committed, state2)
     assert_close(f"o against commit + plain step (shift {shift})", o_plain, o2, tol)
-    if backend == "interpret":
+    if backend == "interpret" and (config is None or config.replay == "tokens"):
+      # The block form computes the new tokens' outputs in block form too, which the plain
+      # step does not.
       assert bits_equal(o_plain, o2)
     # Ending speculation: fold the accepted tokens of step two into the cache.
     counts2 = counts_of(shift + 1)
@@ -413,9 +415,9 @@ def check_replay(N, D, M, H, HV, K, V, S, dtype, backend, seed=0, config=None):
 
 REPLAY_CASES = [(3, 3, 2, 1, 2, 8, 8, 5, "float32"), (4, 2, 1, 2, 4, 16, 8, 6, "bfloat16"),
                 (3, 2, 3, 1, 1, 8, 16, 4, "float32")]
-# The block form's row counts: 8 draft tokens of 2 rows (a 16-row block) with K and V not
-# powers of two, and of 3 rows (24 of a 32-row block) with V over two V blocks.
-BLOCK_REPLAY_CASES = [(2, 8, 2, 1, 1, 100, 80, 3, "float32"), (2, 8, 3, 1, 1, 16, 20, 3, "float32")]
+# More of the block form's row counts: 4 draft tokens of 2 rows with K and V not powers of
+# two, and 8 of 3 rows (24 of a 32-row block) with V over two V blocks.
+BLOCK_REPLAY_CASES = [(2, 4, 2, 1, 1, 100, 80, 3, "float32"), (2, 8, 3, 1, 1, 16, 20, 3, "float32")]
 
 
 def _replay_config(K, V, replay):
