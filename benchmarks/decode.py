@@ -472,7 +472,8 @@ class Bench:
     o, new_state, _ = self.replay_fn(config=cfg)(self.copy(state), tuple(map(self.copy, ring)),
                                                  *xs, num)
     live = slots[:CHECK_ROWS]
-    # Bitwise: the replay step is commit_replay followed by the plain step (same config).
+    # Bitwise: the replay step is commit_replay followed by the plain step (same config; under
+    # replay="block" the outputs only to rounding, so same_bits may be False there).
     committed = gdp_jax.commit_replay(state, ring, slots, num, steps_per_token=M,
                                       use_qk_l2norm_in_kernel=True, config=cfg,
                                       backend=self.backend)
