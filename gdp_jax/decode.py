@@ -188,10 +188,10 @@ def _fused_recurrent_fwd(q, k, v, g, beta, *, dims, backend, config, scale, init
       grid=(-(-V // config.BV) * N * HV,), out_shape=out_shape, backend=backend,
       input_output_aliases=aliases, num_warps=config.num_warps, num_stages=config.num_stages,
       H=H, HV=HV, K=K, V=V, NI=NI, NR=NR, BK=BK, BV=config.BV, BR=BR,
-      # The block replay's Gram matrix takes [BR, BR, BKC] products at a time, 1024 values or
-      # fewer (32 registers per thread at one warp). RG = 2 rows in flight keep it at the
-      # token loop's 128 registers at K = V = 128 float32 on sm_90 (RG = 4: 168 registers and
-      # 8 B of stack).
+      # The block form's Gram matrices take [BR, BR, BKC] products at a time, 1024 values or
+      # fewer (32 registers per thread at one warp); RG = 2 rows in flight (the replay alone
+      # compiled to the token loop's 128 registers at K = V = 128 float32 on sm_90 that way,
+      # to 168 and 8 B of stack with RG = 4).
       BKC=max(1, min(BK, 1024 // (BR * BR))), RG=2, STEPS_PER_TOKEN=steps_per_token,
       RING_G_STEPS=NR // ring_g.shape[1] if ring_g is not None else 1,
       USE_G=use_g, USE_BETA=beta_like is not None,
