@@ -43,7 +43,7 @@ from gdp_jax import _launch
 from gdp_jax import _prefill_kernels as pk
 
 BT = pk.BT
-_BK = 64  # the backward's K blocks (chunk_o_bwd's grid axis, chunk_wy_bwd's loops)
+_BK = 64  # chunk_dv_bwd's and chunk_wy_bwd's K blocks (chunk_o_bwd's: BwdConfig.o_bk)
 _BV = 64
 
 
@@ -76,7 +76,14 @@ class BwdConfig(NamedTuple):
   h_split_min_programs: int = 66
   h_split_programs: int = 256
   h_split_max: int = 8
+  # chunk_o_bwd: o_bk columns of K per block, the V loop in steps of o_bv; o_loop_k: one program
+  # per (chunk, value head) walks every K block after forming dP once, where the default grid
+  # has a program per K block, each forming dP and reading do~, V' and dV' itself.
+  o_bk: int = 64
+  o_bv: int = 64
+  o_loop_k: bool = False
   o_warps: int = 4
+  o_stages: int = 2
   wy_warps: int = 4
   # qk_bwd, a pass bound by memory: BR rows times BK (K rounded up to a power of two) =
   # qk_block elements per program, 32 float32 values per thread per tile at 4 warps, and
@@ -272,17 +279,17 @@ def _backward(q, k, v, g, beta, initial_state, cu_seqlens, res, do, dht, static)
                  jax.ShapeDtypeStruct((1,), f32)],
       USE_DHT=ds_out is not None, USE_DH0=initial_state is not None, SUMMARY=False, **h_kw)
 
-  nk = -(-K // _BK)
+  nk = -(-K // cfg.o_bk)
   dq_v, dk_o, dw, dg_k = _launch.call(
       "chunk_o_bwd.chunk_o_bwd_kernel", qn, kn, v_new, h_x, do_t, dh, dvp,
       gx if use_g else ph(), cu, desc_x, float(static.scale),
-      grid=(desc_x.shape[0], HV, nk),
+      grid=(desc_x.shape[0], HV, 1 if cfg.o_loop_k else nk),
       out_shape=[jax.ShapeDtypeStruct((TT, HV, K), f32), jax.ShapeDtypeStruct((R, HV, K), f32),
                  jax.ShapeDtypeStruct((R, HV, K), dtype),
                  jax.ShapeDtypeStruct((R, HV, nk) if use_g else (1,), f32)],
-      backend=backend, num_warps=cfg.o_warps, num_stages=2,
-      H=H, HV=HV, K=K, V=V, M=M, BT=BT, BK=_BK, BV=_BV, NK=nk, USE_G=use_g,
-      DOT_PRECISION=prec)
+      backend=backend, num_warps=cfg.o_warps, num_stages=cfg.o_stages,
+      H=H, HV=HV, K=K, V=V, M=M, BT=BT, BK=cfg.o_bk, BV=cfg.o_bv, NK=nk,
+      LOOP_K=bool(cfg.o_loop_k), USE_G=use_g, DOT_PRECISION=prec)
 
   dk_x, dv_x, dbeta_x, dg_x, _ = _launch.call(
       "chunk_wy_bwd.chunk_wy_bwd_kernel", kn, vp, beta_p, gx if use_g else ph(), Ai, dw, dvp,

@@ -23,10 +23,13 @@ transpose of dP; and a loaded tile that feeds both a dot and a register reductio
 pipelined loop (docs/algorithm.md §4.2), so <S, dS> is the trace of the product dS S^T
 accumulated beside the others. Transposed operands are transposes of loaded tiles.
 
-Grid: (expanded-chunk descriptors, HV, ceil(K / 64)). Program (i_d, i_hv, i_k) owns 64 columns
-of K of one chunk and value head and loops over V; dG goes out per K block and is summed by
-chunk_wy_bwd. Rows past the sequence end are neither read nor written; dq~ goes out on the
-token stream (the last copies only: every other row of dq~ is zero).
+Grid: (expanded-chunk descriptors, HV, NK = ceil(K / BK)). Program (i_d, i_hv, i_k) owns BK
+columns of K of one chunk and value head and loops over V in steps of BV. With LOOP_K the grid is
+(descriptors, HV, 1): one program forms dP and dP^T once in a first V loop, then walks the NK K
+blocks, each with a V loop of its own, rereading do~, V' and dV' while they are in the cache (the
+K-split grid's programs of one chunk run far apart, and each forms dP itself). dG goes out per K
+block and is summed by chunk_wy_bwd. Rows past the sequence end are neither read nor written; dq~
+goes out on the token stream (the last copies only: every other row of dq~ is zero).
 
 Parameter order: inputs, outputs, constexprs.
 """
@@ -64,12 +67,13 @@ def chunk_o_bwd_kernel(
     BT: tl.constexpr,
     BK: tl.constexpr,
     BV: tl.constexpr,
-    NK: tl.constexpr,  # ceil(K / BK), the grid's third axis
+    NK: tl.constexpr,  # ceil(K / BK): the grid's third axis, or the K blocks one program walks
     # flags
+    LOOP_K: tl.constexpr,
     USE_G: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-  i_d, i_hv, i_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+  i_d, i_hv = tl.program_id(0), tl.program_id(1)
   i_h = i_hv // (HV // H)
   i_n, row0, n = chunk_span(chunk_desc, cu_seqlens, i_d, M, BT)
   if i_n < 0:
@@ -77,9 +81,6 @@ def chunk_o_bwd_kernel(
   dt = k.dtype.element_ty
   o_a = tl.arange(0, BT)
   mask_r = o_a < n
-  o_k = i_k * BK + tl.arange(0, BK)
-  mask_k = o_k < K
-  m_rk = mask_r[:, None] & mask_k[None, :]
   p_h = h + (i_d.to(tl.int64) * HV + i_hv) * (K * V)
   p_dh = dh + (i_d.to(tl.int64) * HV + i_hv) * (K * V)
   row = row0 + o_a
@@ -88,36 +89,94 @@ def chunk_o_bwd_kernel(
   mask_q = mask_r & (row % M == M - 1)
   tok_v = tok * (HV * V) + i_hv * V
 
-  b_dqi = tl.zeros([BT, BK], dtype=tl.float32)
-  b_dp = tl.zeros([BT, BT], dtype=tl.float32)
-  b_dpt = tl.zeros([BT, BT], dtype=tl.float32)
-  b_dks = tl.zeros([BT, BK], dtype=tl.float32)
-  b_dw = tl.zeros([BT, BK], dtype=tl.float32)
-  b_sds = tl.zeros([BK, BK], dtype=tl.float32)
-  for i_v in range(tl.cdiv(V, BV)):
-    o_v = i_v * BV + tl.arange(0, BV)
-    mask_v = o_v < V
-    m_rv = mask_r[:, None] & mask_v[None, :]
-    m_kv = mask_k[:, None] & mask_v[None, :]
-    b_do = tl.load(do + tok_v[:, None] + o_v[None, :], mask=mask_q[:, None] & mask_v[None, :],
-                   other=0.).to(dt)
-    b_vn = tl.load(v_new + row_v[:, None] + o_v[None, :], mask=m_rv, other=0.).to(dt)
-    b_dv = tl.load(dv + row_v[:, None] + o_v[None, :], mask=m_rv, other=0.).to(dt)
-    b_h = tl.load(p_h + o_k[:, None] * V + o_v[None, :], mask=m_kv, other=0.).to(dt)    # S
-    b_dh = tl.load(p_dh + o_k[:, None] * V + o_v[None, :], mask=m_kv, other=0.).to(dt)  # dS
-    b_ht = tl.trans(b_h)
-    b_dqi += tl.dot(b_do, b_ht, input_precision=DOT_PRECISION)
-    b_dp += tl.dot(b_do, tl.trans(b_vn), input_precision=DOT_PRECISION)
-    b_dpt += tl.dot(b_vn, tl.trans(b_do), input_precision=DOT_PRECISION)
-    b_dks += tl.dot(b_vn, tl.trans(b_dh), input_precision=DOT_PRECISION)
-    b_dw += tl.dot(b_dv, b_ht, input_precision=DOT_PRECISION)
-    if USE_G:
-      b_sds += tl.dot(b_dh, b_ht, input_precision=DOT_PRECISION)
+  if LOOP_K:
+    # dP and dP^T once per chunk and head, then every K block in turn: the second reads of do~
+    # and V' come from the cache, not from memory as the K-split grid's do.
+    b_dp = tl.zeros([BT, BT], dtype=tl.float32)
+    b_dpt = tl.zeros([BT, BT], dtype=tl.float32)
+    for i_v in range(tl.cdiv(V, BV)):
+      o_v = i_v * BV + tl.arange(0, BV)
+      mask_v = o_v < V
+      b_do = tl.load(do + tok_v[:, None] + o_v[None, :],
+                     mask=mask_q[:, None] & mask_v[None, :], other=0.).to(dt)
+      b_vn = tl.load(v_new + row_v[:, None] + o_v[None, :],
+                     mask=mask_r[:, None] & mask_v[None, :], other=0.).to(dt)
+      b_dp += tl.dot(b_do, tl.trans(b_vn), input_precision=DOT_PRECISION)
+      b_dpt += tl.dot(b_vn, tl.trans(b_do), input_precision=DOT_PRECISION)
+    b_dp, b_dpt, b_gam, b_kdec, b_g_last = _decayed_dp(
+        b_dp, b_dpt, g_cum, row0, n, i_hv, HV, BT, USE_G)
+    # A loop holding a loop is not pipelined: q and k are plain loads here, as in the K-split
+    # grid, and a static_range (unrolled) spilled twice as much (sm_90 compile).
+    for i_k in range(NK):
+      o_k = i_k * BK + tl.arange(0, BK)
+      mask_k = o_k < K
+      b_dqi = tl.zeros([BT, BK], dtype=tl.float32)
+      b_dks = tl.zeros([BT, BK], dtype=tl.float32)
+      b_dw = tl.zeros([BT, BK], dtype=tl.float32)
+      b_sds = tl.zeros([BK, BK], dtype=tl.float32)
+      for i_v in range(tl.cdiv(V, BV)):
+        o_v = i_v * BV + tl.arange(0, BV)
+        mask_v = o_v < V
+        m_rv = mask_r[:, None] & mask_v[None, :]
+        m_kv = mask_k[:, None] & mask_v[None, :]
+        b_do = tl.load(do + tok_v[:, None] + o_v[None, :],
+                       mask=mask_q[:, None] & mask_v[None, :], other=0.).to(dt)
+        b_vn = tl.load(v_new + row_v[:, None] + o_v[None, :], mask=m_rv, other=0.).to(dt)
+        b_dv = tl.load(dv + row_v[:, None] + o_v[None, :], mask=m_rv, other=0.).to(dt)
+        b_h = tl.load(p_h + o_k[:, None] * V + o_v[None, :], mask=m_kv, other=0.).to(dt)
+        b_dh = tl.load(p_dh + o_k[:, None] * V + o_v[None, :], mask=m_kv, other=0.).to(dt)
+        b_ht = tl.trans(b_h)
+        b_dqi += tl.dot(b_do, b_ht, input_precision=DOT_PRECISION)
+        b_dks += tl.dot(b_vn, tl.trans(b_dh), input_precision=DOT_PRECISION)
+        b_dw += tl.dot(b_dv, b_ht, input_precision=DOT_PRECISION)
+        if USE_G:
+          b_sds += tl.dot(b_dh, b_ht, input_precision=DOT_PRECISION)
+      _store_k_block(q, k, dq, dk, dw, dg, b_dp, b_dpt, b_dqi, b_dks, b_dw, b_sds, b_gam,
+                     b_kdec, b_g_last, scale, row0, n, tok, mask_q, i_h, i_hv, i_k,
+                     H, HV, K, BT, BK, NK, USE_G, DOT_PRECISION)
+  else:
+    i_k = tl.program_id(2)
+    o_k = i_k * BK + tl.arange(0, BK)
+    mask_k = o_k < K
+    b_dqi = tl.zeros([BT, BK], dtype=tl.float32)
+    b_dp = tl.zeros([BT, BT], dtype=tl.float32)
+    b_dpt = tl.zeros([BT, BT], dtype=tl.float32)
+    b_dks = tl.zeros([BT, BK], dtype=tl.float32)
+    b_dw = tl.zeros([BT, BK], dtype=tl.float32)
+    b_sds = tl.zeros([BK, BK], dtype=tl.float32)
+    for i_v in range(tl.cdiv(V, BV)):
+      o_v = i_v * BV + tl.arange(0, BV)
+      mask_v = o_v < V
+      m_rv = mask_r[:, None] & mask_v[None, :]
+      m_kv = mask_k[:, None] & mask_v[None, :]
+      b_do = tl.load(do + tok_v[:, None] + o_v[None, :], mask=mask_q[:, None] & mask_v[None, :],
+                     other=0.).to(dt)
+      b_vn = tl.load(v_new + row_v[:, None] + o_v[None, :], mask=m_rv, other=0.).to(dt)
+      b_dv = tl.load(dv + row_v[:, None] + o_v[None, :], mask=m_rv, other=0.).to(dt)
+      b_h = tl.load(p_h + o_k[:, None] * V + o_v[None, :], mask=m_kv, other=0.).to(dt)    # S
+      b_dh = tl.load(p_dh + o_k[:, None] * V + o_v[None, :], mask=m_kv, other=0.).to(dt)  # dS
+      b_ht = tl.trans(b_h)
+      b_dqi += tl.dot(b_do, b_ht, input_precision=DOT_PRECISION)
+      b_dp += tl.dot(b_do, tl.trans(b_vn), input_precision=DOT_PRECISION)
+      b_dpt += tl.dot(b_vn, tl.trans(b_do), input_precision=DOT_PRECISION)
+      b_dks += tl.dot(b_vn, tl.trans(b_dh), input_precision=DOT_PRECISION)
+      b_dw += tl.dot(b_dv, b_ht, input_precision=DOT_PRECISION)
+      if USE_G:
+        b_sds += tl.dot(b_dh, b_ht, input_precision=DOT_PRECISION)
+    b_dp, b_dpt, b_gam, b_kdec, b_g_last = _decayed_dp(
+        b_dp, b_dpt, g_cum, row0, n, i_hv, HV, BT, USE_G)
+    _store_k_block(q, k, dq, dk, dw, dg, b_dp, b_dpt, b_dqi, b_dks, b_dw, b_sds, b_gam, b_kdec,
+                   b_g_last, scale, row0, n, tok, mask_q, i_h, i_hv, i_k,
+                   H, HV, K, BT, BK, NK, USE_G, DOT_PRECISION)
 
-  p_k = (row0 + o_a[:, None]) * (H * K) + i_h * K + o_k[None, :]
-  b_q = tl.load(q + tok[:, None] * (H * K) + i_h * K + o_k[None, :],
-                mask=mask_q[:, None] & mask_k[None, :], other=0.)
-  b_k = tl.load(k + p_k, mask=m_rk, other=0.)
+
+@triton.jit
+def _decayed_dp(b_dp, b_dpt, g_cum, row0, n, i_hv, HV: tl.constexpr, BT: tl.constexpr,
+                USE_G: tl.constexpr):
+  """dP and dP^T with the decay and the causal masks applied, the query row factors
+  Gamma = 2^G, the key row factors 2^(g_C - G) and g_C (0. without USE_G)."""
+  o_a = tl.arange(0, BT)
+  mask_r = o_a < n
   m_inc = (o_a[:, None] >= o_a[None, :]) & mask_r[:, None] & mask_r[None, :]
   m_inct = (o_a[None, :] >= o_a[:, None]) & mask_r[:, None] & mask_r[None, :]
   if USE_G:
@@ -129,10 +188,30 @@ def chunk_o_bwd_kernel(
     b_gam = tl.where(mask_r, tl.exp2(b_g), 0.)
     b_kdec = tl.where(mask_r, tl.exp2(b_g_last - b_g), 0.)
   else:
+    b_g_last = 0.
     b_dp = tl.where(m_inc, b_dp, 0.)
     b_dpt = tl.where(m_inct, b_dpt, 0.)
     b_gam = tl.where(mask_r, 1., 0.)
     b_kdec = b_gam
+  return b_dp, b_dpt, b_gam, b_kdec, b_g_last
+
+
+@triton.jit
+def _store_k_block(q, k, dq, dk, dw, dg, b_dp, b_dpt, b_dqi, b_dks, b_dw, b_sds, b_gam, b_kdec,
+                   b_g_last, scale, row0, n, tok, mask_q, i_h, i_hv, i_k, H: tl.constexpr,
+                   HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
+                   NK: tl.constexpr, USE_G: tl.constexpr, DOT_PRECISION: tl.constexpr):
+  """dq~, dk, dW and dG's part of K block i_k from the products accumulated over V."""
+  dt = k.dtype.element_ty
+  o_a = tl.arange(0, BT)
+  mask_r = o_a < n
+  o_k = i_k * BK + tl.arange(0, BK)
+  mask_k = o_k < K
+  m_rk = mask_r[:, None] & mask_k[None, :]
+  b_q = tl.load(q + tok[:, None] * (H * K) + i_h * K + o_k[None, :],
+                mask=mask_q[:, None] & mask_k[None, :], other=0.)
+  b_k = tl.load(k + (row0 + o_a[:, None]) * (H * K) + i_h * K + o_k[None, :], mask=m_rk,
+                other=0.)
   b_dq = scale * (tl.dot(b_dp.to(dt), b_k, input_precision=DOT_PRECISION)
                   + b_dqi * b_gam[:, None])
   b_dks = b_dks * b_kdec[:, None]

@@ -202,6 +202,32 @@ def test_scan_block_widths_agree():
     assert err_ratio(np.asarray(narrow[n], f64), np.asarray(wide[n], f64)) < 1e-6, n
 
 
+# chunk_o_bwd's variants (BwdConfig.o_*), each against the reference and against the default
+# config: K blocks of 128 (one masked block at K = 100, two at K = 256), V steps of 128 (one masked
+# step at V = 80) and of 32 (three), and one program per chunk and head walking its K blocks
+# (LOOP_K: two blocks at K = 100, four at K = 256, without g its dG unwritten).
+O_VARIANTS = [
+    (Case(T=43, H=2, HV=4, K=100, V=80, M=3, l2norm=True),
+     [dict(o_bk=128), dict(o_bv=128), dict(o_loop_k=True, o_bv=32)]),
+    (Case(T=40, HV=1, K=256, V=16, M=2, init=False),
+     [dict(o_loop_k=True), dict(o_loop_k=True, o_bk=128)]),
+    (Case(T=65, HV=1, K=100, V=32, M=1, use_g=False, use_beta=False, final=False),
+     [dict(o_loop_k=True)]),
+]
+
+
+@pytest.mark.parametrize("c,variants", O_VARIANTS, ids=[c.id for c, _ in O_VARIANTS])
+def test_chunk_o_bwd_variants(c, variants):
+  """Every variant passes the reference check and gives the default's gradients to float32
+  rounding: only the tiling and which program forms dP differ."""
+  default, *outs = check_grads(
+      c, KERNEL_BACKEND, configs=[_prefill_bwd.BwdConfig(**v) for v in [{}] + variants])
+  for v, out in zip(variants, outs):
+    for n in out:
+      e = err_ratio(default[n], out[n])
+      assert e < 1e-5, f"d{n} under {v}: ratio {e:.3e} to the default config"
+
+
 # K != V, so that a swap of Pi's and E's columns shows; K = 48 leaves Pi's second column block
 # part empty. The packed case has an empty sequence (Pi = I, E = 0 in every piece: dht passes to
 # dh0), one of a single chunk (fewer chunks than pieces) and empty last pieces.
