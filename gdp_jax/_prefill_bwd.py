@@ -289,7 +289,7 @@ def _backward(q, k, v, g, beta, initial_state, cu_seqlens, res, do, dht, static)
                  jax.ShapeDtypeStruct((R, HV, nk) if use_g else (1,), f32)],
       backend=backend, num_warps=cfg.o_warps, num_stages=cfg.o_stages,
       H=H, HV=HV, K=K, V=V, M=M, BT=BT, BK=cfg.o_bk, BV=cfg.o_bv, NK=nk,
-      LOOP_K=bool(cfg.o_loop_k), USE_G=use_g, DOT_PRECISION=prec)
+      KP=1 << (K - 1).bit_length(), LOOP_K=bool(cfg.o_loop_k), USE_G=use_g, DOT_PRECISION=prec)
 
   dk_x, dv_x, dbeta_x, dg_x, _ = _launch.call(
       "chunk_wy_bwd.chunk_wy_bwd_kernel", kn, vp, beta_p, gx if use_g else ph(), Ai, dw, dvp,

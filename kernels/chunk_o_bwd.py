@@ -68,6 +68,7 @@ def chunk_o_bwd_kernel(
     BK: tl.constexpr,
     BV: tl.constexpr,
     NK: tl.constexpr,  # ceil(K / BK): the grid's third axis, or the K blocks one program walks
+    KP: tl.constexpr,  # K rounded up to a power of two
     # flags
     LOOP_K: tl.constexpr,
     USE_G: tl.constexpr,
@@ -94,6 +95,8 @@ def chunk_o_bwd_kernel(
     # and V' come from the cache, not from memory as the K-split grid's do.
     b_dp = tl.zeros([BT, BT], dtype=tl.float32)
     b_dpt = tl.zeros([BT, BT], dtype=tl.float32)
+    b_sds = 0.
+    o_kp = tl.arange(0, KP)
     for i_v in range(tl.cdiv(V, BV)):
       o_v = i_v * BV + tl.arange(0, BV)
       mask_v = o_v < V
@@ -103,6 +106,11 @@ def chunk_o_bwd_kernel(
                      mask=mask_r[:, None] & mask_v[None, :], other=0.).to(dt)
       b_dp += tl.dot(b_do, tl.trans(b_vn), input_precision=DOT_PRECISION)
       b_dpt += tl.dot(b_vn, tl.trans(b_do), input_precision=DOT_PRECISION)
+      if USE_G:
+        m_kv = (o_kp < K)[:, None] & mask_v[None, :]
+        b_h = tl.load(p_h + o_kp[:, None] * V + o_v[None, :], mask=m_kv, other=0.).to(dt)
+        b_dh = tl.load(p_dh + o_kp[:, None] * V + o_v[None, :], mask=m_kv, other=0.).to(dt)
+        b_sds += tl.sum(tl.sum(b_h.to(tl.float32) * b_dh.to(tl.float32), 1), 0)
     b_dp, b_dpt, b_gam, b_kdec, b_g_last = _decayed_dp(
         b_dp, b_dpt, g_cum, row0, n, i_hv, HV, BT, USE_G)
     # A loop holding a loop is not pipelined: q and k are plain loads here, as in the K-split
@@ -113,7 +121,6 @@ def chunk_o_bwd_kernel(
       b_dqi = tl.zeros([BT, BK], dtype=tl.float32)
       b_dks = tl.zeros([BT, BK], dtype=tl.float32)
       b_dw = tl.zeros([BT, BK], dtype=tl.float32)
-      b_sds = tl.zeros([BK, BK], dtype=tl.float32)
       for i_v in range(tl.cdiv(V, BV)):
         o_v = i_v * BV + tl.arange(0, BV)
         mask_v = o_v < V
@@ -129,10 +136,8 @@ def chunk_o_bwd_kernel(
         b_dqi += tl.dot(b_do, b_ht, input_precision=DOT_PRECISION)
         b_dks += tl.dot(b_vn, tl.trans(b_dh), input_precision=DOT_PRECISION)
         b_dw += tl.dot(b_dv, b_ht, input_precision=DOT_PRECISION)
-        if USE_G:
-          b_sds += tl.dot(b_dh, b_ht, input_precision=DOT_PRECISION)
-      _store_k_block(q, k, dq, dk, dw, dg, b_dp, b_dpt, b_dqi, b_dks, b_dw, b_sds, b_gam,
-                     b_kdec, b_g_last, scale, row0, n, tok, mask_q, i_h, i_hv, i_k,
+      _store_k_block(q, k, dq, dk, dw, dg, b_dp, b_dpt, b_dqi, b_dks, b_dw,
+                     tl.where(i_k == 0, b_sds, 0.), b_gam, b_kdec, b_g_last, scale, row0, n, tok, mask_q, i_h, i_hv, i_k,
                      H, HV, K, BT, BK, NK, USE_G, DOT_PRECISION)
   else:
     i_k = tl.program_id(2)
@@ -165,6 +170,8 @@ def chunk_o_bwd_kernel(
         b_sds += tl.dot(b_dh, b_ht, input_precision=DOT_PRECISION)
     b_dp, b_dpt, b_gam, b_kdec, b_g_last = _decayed_dp(
         b_dp, b_dpt, g_cum, row0, n, i_hv, HV, BT, USE_G)
+    o_kk = tl.arange(0, BK)
+    b_sds = tl.sum(tl.sum(tl.where(o_kk[:, None] == o_kk[None, :], b_sds, 0.), 1), 0)
     _store_k_block(q, k, dq, dk, dw, dg, b_dp, b_dpt, b_dqi, b_dks, b_dw, b_sds, b_gam, b_kdec,
                    b_g_last, scale, row0, n, tok, mask_q, i_h, i_hv, i_k,
                    H, HV, K, BT, BK, NK, USE_G, DOT_PRECISION)
@@ -223,11 +230,9 @@ def _store_k_block(q, k, dq, dk, dw, dg, b_dp, b_dpt, b_dqi, b_dks, b_dw, b_sds,
   tl.store(dk + p_out, b_dk, mask=m_rk)
   tl.store(dw + p_out, (-b_dw).to(dw.dtype.element_ty), mask=m_rk)
   if USE_G:
-    o_kk = tl.arange(0, BK)
     b_qf = b_q.to(tl.float32)
     b_kf = b_k.to(tl.float32)
     b_dg = tl.sum(b_qf * b_dq, 1) - tl.sum(b_kf * b_dk, 1)
-    b_last = tl.sum(tl.sum(b_kf * b_dks, 1), 0) + tl.exp2(b_g_last) * tl.sum(tl.sum(
-        tl.where(o_kk[:, None] == o_kk[None, :], b_sds, 0.), 1), 0)
+    b_last = tl.sum(tl.sum(b_kf * b_dks, 1), 0) + tl.exp2(b_g_last) * b_sds
     b_dg = tl.where(o_a == n - 1, b_dg + b_last, b_dg)
     tl.store(dg + ((row0 + o_a) * HV + i_hv) * NK + i_k, b_dg, mask=mask_r)
