@@ -4,12 +4,17 @@ Prints, per kernel (Triton kernels under their names, XLA fusions under theirs),
 time per call, for the rows of benchmarks/train.py on the same inputs (train.shapes,
 train.host_inputs: bf16, logsigmoid decays, beta in (0, 1), L2-normalised q and k inside the op).
 
-With --variants, each row also runs the backward under other block configs
-(gdp_jax._prefill_bwd.BwdConfig fields, e.g. "h_bv=64;h_bv=16,wy_warps=8;h_split=4": the
-reverse state pass in 4 pieces per sequence), profiled the same way.
+With --variant (repeatable) or --variants (';'-separated), each row also runs the backward under
+other block configs (gdp_jax._prefill_bwd.BwdConfig fields, e.g. "o_bk=128,o_warps=8" or
+"h_split=4": the reverse state pass in 4 pieces per sequence), profiled the same way, and checks
+each variant's gradients against the default config's in the same process: the relative error
+||variant - default|| / ||default|| per input (bf16 inputs: different tilings round differently,
+so expect about 1e-3, not 0). A closing table puts each run's step time and its time in the
+kernels the variants touch beside the default's.
 
 Usage (GPU, repository root on PYTHONPATH):
-  python3 benchmarks/train_profile.py [--rows 0,4] [--variants "h_bv=64;wy_warps=8"] [--top 16]
+  python3 benchmarks/train_profile.py [--rows 0,4] [--variant o_loop_k=1,o_warps=8] [--top 16]
+  python3 benchmarks/train_profile.py --smoke --variant o_loop_k=1   # CPU: interpreter, tiny rows
 """
 from __future__ import annotations
 
@@ -21,56 +26,103 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # noqa: E402
 import train  # noqa: E402
 
+# The backward's Triton kernels, whose time the closing table lists per run.
+BWD_KERNELS = ("chunk_dv_local", "chunk_h_bwd", "chunk_o_bwd", "chunk_wy_bwd", "qk_bwd")
+
+
+def parse_variant(text: str) -> dict:
+  """"o_bk=128,o_warps=8" -> {"o_bk": 128, "o_warps": 8}; names checked against BwdConfig."""
+  from gdp_jax import _prefill_bwd
+  out = {}
+  for kv in filter(None, text.split(",")):
+    name, _, value = kv.partition("=")
+    if name not in _prefill_bwd.BwdConfig._fields:
+      raise SystemExit(f"--variant: {name!r} is not a BwdConfig field "
+                       f"({', '.join(_prefill_bwd.BwdConfig._fields)})")
+    out[name] = int(value)
+  return out
+
+
+def rel_err(a, b) -> float:
+  """||a - b|| / ||b|| in float64."""
+  import numpy as np
+  a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+  return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+
+
+def kernel_us(prof: dict, per: int) -> dict:
+  """Device time per step of each backward kernel (summed over its launches)."""
+  return {k: sum(e["us"] for e in prof["kernels"] if k in e["name"]) / per for k in BWD_KERNELS}
+
+
 def main():
   p = argparse.ArgumentParser()
   p.add_argument("--rows", default="0")
+  p.add_argument("--variant", action="append", default=[],
+                 help="BwdConfig overrides, e.g. o_bk=128,o_warps=8 (repeatable)")
   p.add_argument("--variants", default="", help="';'-separated BwdConfig overrides")
   p.add_argument("--top", type=int, default=16, help="how many kernels to list per run")
+  p.add_argument("--smoke", action="store_true",
+                 help="CPU: the interpreter on train.py's smoke rows (checks the script, times "
+                      "nothing of interest)")
   args = p.parse_args()
-  common.setup_env(cpu_smoke=False)
+  common.setup_env(cpu_smoke=args.smoke)
   import jax
   import jax.numpy as jnp
   common.fix_triton_cache()
-  import gdp_jax
   from gdp_jax import _prefill_bwd
-  variants = [dict((kv.split("=")[0], int(kv.split("=")[1])) for kv in v.split(","))
-              for v in args.variants.split(";") if v]
-  rows = train.shapes(smoke=False)
+  variants = [parse_variant(v) for v in args.variant + args.variants.split(";") if v]
+  backend = "interpret" if args.smoke else "triton"
+  calls = 1 if args.smoke else 3
+  rows = train.shapes(smoke=args.smoke)
   for i in map(int, args.rows.split(",")):
     r = rows[i]
     K, M = r["K"], r["M"]
     h = train.host_inputs(r, common.row_seed(r))
     x = {n: jnp.asarray(h[n]) for n in ("q", "k", "v", "g", "beta")}
     do = jnp.asarray(h["do"])
-    kw = dict(num_householder=M, use_qk_l2norm_in_kernel=True, backend="triton")
-    if "cu_seqlens" in h:
-      kw["cu_seqlens"] = jnp.asarray(h["cu_seqlens"])
+    cu = jnp.asarray(h["cu_seqlens"]) if "cu_seqlens" in h else None
 
-    def loss(x):
-      o, _ = gdp_jax.chunk_gated_delta_product(**x, **kw)
-      return jnp.sum(o.astype(jnp.float32) * do.astype(jnp.float32))
+    def step_under(cfg):
+      """The jitted value_and_grad of <o, do> with the backward under cfg (the training path
+      that the public entry point takes, with an explicit config)."""
+      static = _prefill_bwd._Static(M, K ** -0.5, False, True, backend, cfg)
 
-    step = jax.jit(jax.value_and_grad(loss))
-    fwd = jax.jit(loss)
-    runs = [("fwd", fwd), ("fwd+bwd", step)]
-    for var in variants:
-      static = _prefill_bwd._Static(M, K ** -0.5, False, True, "triton",
-                                    _prefill_bwd.BwdConfig()._replace(**var))
-
-      def vloss(x, static=static):
-        o, _ = _prefill_bwd._prefill(x["q"], x["k"], x["v"], x["g"], x["beta"], None,
-                                     kw.get("cu_seqlens"), static)
+      def loss(x):
+        o, _ = _prefill_bwd._prefill(x["q"], x["k"], x["v"], x["g"], x["beta"], None, cu,
+                                     static)
         return jnp.sum(o.astype(jnp.float32) * do.astype(jnp.float32))
 
-      runs.append((f"fwd+bwd {var}", jax.jit(jax.value_and_grad(vloss))))
-    for name, f in runs:
+      return jax.jit(jax.value_and_grad(loss)), jax.jit(loss)
+
+    default_step, fwd = step_under(_prefill_bwd.BwdConfig())
+    runs = [("fwd", fwd, None), ("fwd+bwd", default_step, {})]
+    runs += [(f"fwd+bwd {var}", step_under(_prefill_bwd.BwdConfig()._replace(**var))[0], var)
+             for var in variants]
+    ref_grads, summary = None, []
+    for name, f, var in runs:
       try:
+        out = jax.block_until_ready(f(x))
         ms = common.time_jax(lambda: f(x))["ms"]
-        prof = common.profile_jax(lambda: f(x), calls=3)
+        prof = common.profile_jax(lambda: f(x), calls=calls)
       except Exception as e:  # a variant that does not compile or fit: report, go on
         print(f"\n-- {name} row {i}: {type(e).__name__}: {str(e)[:300]}")
         continue
-      common.print_profile(f"{name} row {i} {r}: {ms:.3f} ms", prof, per=3, top=args.top)
+      common.print_profile(f"{name} row {i} {r}: {ms:.3f} ms", prof, per=calls, top=args.top)
+      errs = ""
+      if var is not None:
+        grads = out[1]
+        if not var:
+          ref_grads = grads
+        elif ref_grads is not None:
+          errs = " ".join(f"d{n} {rel_err(grads[n], ref_grads[n]):.1e}" for n in grads)
+          print(f"   gradients against the default config's: {errs}")
+      summary.append((name, ms, kernel_us(prof, calls), errs))
+    print(f"\n-- row {i} {r}: step ms, backward kernels us per step, gradient error vs default")
+    print("   " + f"{'run':<44} {'ms':>7} " + " ".join(f"{k:>14}" for k in BWD_KERNELS))
+    for name, ms, us, errs in summary:
+      print(f"   {name[:44]:<44} {ms:7.3f} " + " ".join(f"{us[k]:14.1f}" for k in BWD_KERNELS)
+            + (f"   {errs}" if errs else ""))
 
 
 if __name__ == "__main__":

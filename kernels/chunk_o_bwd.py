@@ -21,7 +21,9 @@ Two patterns that Triton 3.4 to 3.7.0 miscompiles on Hopper are avoided: a tl.tr
 result fed to another dot (FLA #640), so dP^T is its own product (V' do~^T) rather than the
 transpose of dP; and a loaded tile that feeds both a dot and a register reduction in one
 pipelined loop (docs/algorithm.md §4.2), so <S, dS> is the trace of the product dS S^T
-accumulated beside the others. Transposed operands are transposes of loaded tiles.
+accumulated beside the others (with LOOP_K: a sum over tiles of S and dS loaded for it alone in
+the dP loop, whose dots read only do~ and V'). Transposed operands are transposes of loaded
+tiles.
 
 Grid: (expanded-chunk descriptors, HV, NK = ceil(K / BK)). Program (i_d, i_hv, i_k) owns BK
 columns of K of one chunk and value head and loops over V in steps of BV. With LOOP_K the grid is
@@ -91,8 +93,9 @@ def chunk_o_bwd_kernel(
   tok_v = tok * (HV * V) + i_hv * V
 
   if LOOP_K:
-    # dP and dP^T once per chunk and head, then every K block in turn: the second reads of do~
-    # and V' come from the cache, not from memory as the K-split grid's do.
+    # dP and dP^T once per chunk and head, with <S, dS> from tiles of S and dS that feed no dot,
+    # then every K block in turn: the second reads of do~ and V' come from the cache, not from
+    # memory as the K-split grid's do.
     b_dp = tl.zeros([BT, BT], dtype=tl.float32)
     b_dpt = tl.zeros([BT, BT], dtype=tl.float32)
     b_sds = 0.
@@ -108,9 +111,9 @@ def chunk_o_bwd_kernel(
       b_dpt += tl.dot(b_vn, tl.trans(b_do), input_precision=DOT_PRECISION)
       if USE_G:
         m_kv = (o_kp < K)[:, None] & mask_v[None, :]
-        b_h = tl.load(p_h + o_kp[:, None] * V + o_v[None, :], mask=m_kv, other=0.).to(dt)
-        b_dh = tl.load(p_dh + o_kp[:, None] * V + o_v[None, :], mask=m_kv, other=0.).to(dt)
-        b_sds += tl.sum(tl.sum(b_h.to(tl.float32) * b_dh.to(tl.float32), 1), 0)
+        b_s = tl.load(p_h + o_kp[:, None] * V + o_v[None, :], mask=m_kv, other=0.)
+        b_ds = tl.load(p_dh + o_kp[:, None] * V + o_v[None, :], mask=m_kv, other=0.)
+        b_sds += tl.sum(tl.sum(b_s.to(tl.float32) * b_ds.to(tl.float32), 1), 0)
     b_dp, b_dpt, b_gam, b_kdec, b_g_last = _decayed_dp(
         b_dp, b_dpt, g_cum, row0, n, i_hv, HV, BT, USE_G)
     # A loop holding a loop is not pipelined: q and k are plain loads here, as in the K-split
@@ -136,9 +139,10 @@ def chunk_o_bwd_kernel(
         b_dqi += tl.dot(b_do, b_ht, input_precision=DOT_PRECISION)
         b_dks += tl.dot(b_vn, tl.trans(b_dh), input_precision=DOT_PRECISION)
         b_dw += tl.dot(b_dv, b_ht, input_precision=DOT_PRECISION)
+      # <S, dS> spans every column of K: it goes into K block 0's dG alone.
       _store_k_block(q, k, dq, dk, dw, dg, b_dp, b_dpt, b_dqi, b_dks, b_dw,
-                     tl.where(i_k == 0, b_sds, 0.), b_gam, b_kdec, b_g_last, scale, row0, n, tok, mask_q, i_h, i_hv, i_k,
-                     H, HV, K, BT, BK, NK, USE_G, DOT_PRECISION)
+                     tl.where(i_k == 0, b_sds, 0.), b_gam, b_kdec, b_g_last, scale, row0, n, tok,
+                     mask_q, i_h, i_hv, i_k, H, HV, K, BT, BK, NK, USE_G, DOT_PRECISION)
   else:
     i_k = tl.program_id(2)
     o_k = i_k * BK + tl.arange(0, BK)

@@ -44,14 +44,22 @@ CASES = [("prefill", "bfloat16", 256, 512, 2), ("prefill", "float32", 256, 512, 
          ("train", "bfloat16", 256, 512, 2), ("train", "float32", 256, 512, 2),
          ("train", "bfloat16", 128, 128, 16), ("train", "float32", 128, 128, 16),
          ("train", "bfloat16", 128, 128, 1), ("train", "float32", 256, 512, 1)]
+# Training under the chunk_o_bwd variants of BwdConfig (only chunk_o_bwd's launch differs), at the
+# benchmark's K=V=128 and at the largest heads.
+O_VARIANTS = [dict(o_bk=128, o_warps=8), dict(o_bv=128), dict(o_loop_k=True),
+              dict(o_loop_k=True, o_warps=8), dict(o_loop_k=True, o_bv=128)]
+CASES += [("train", "bfloat16", 128, 128, 16, v) for v in O_VARIANTS]
+CASES += [("train", "bfloat16", 256, 512, 2, v) for v in O_VARIANTS]
+CASES += [("train", "float32", 128, 128, 16, dict(o_loop_k=True, o_bv=128))]
 
 
-def _record_launches(what, dtype, K, V, N):
-  """The launches one call makes, as jax-triton would compile them (not run)."""
+def _record_launches(what, dtype, K, V, N, bwd=None):
+  """The launches one call makes, as jax-triton would compile them (not run); for "train", bwd:
+  BwdConfig overrides (None: the public entry point, which takes the default)."""
   import jax
   import jax.numpy as jnp
   import gdp_jax
-  from gdp_jax import _backends, _configs, _launch_jax_triton, _launch_spec
+  from gdp_jax import _backends, _configs, _launch_jax_triton, _launch_spec, _prefill_bwd
 
   launches = []
 
@@ -84,9 +92,14 @@ def _record_launches(what, dtype, K, V, N):
             sds((N, T, HV), f32), sds((N, T * M, HV), dt), sds((N, HV, K, V), f32))
 
     def loss(q, k, v, g, beta, h0):
-      o, ht = gdp_jax.chunk_gated_delta_product(
-          q, k, v, g, beta, num_householder=M, initial_state=h0, output_final_state=True,
-          use_qk_l2norm_in_kernel=True, backend="triton")
+      if bwd is None:
+        o, ht = gdp_jax.chunk_gated_delta_product(
+            q, k, v, g, beta, num_householder=M, initial_state=h0, output_final_state=True,
+            use_qk_l2norm_in_kernel=True, backend="triton")
+      else:
+        static = _prefill_bwd._Static(M, K ** -0.5, True, True, "triton",
+                                      _prefill_bwd.BwdConfig(**bwd))
+        o, ht = _prefill_bwd._prefill(q, k, v, g, beta, h0, None, static)
       return jnp.sum(o.astype(f32)) + jnp.sum(ht)
 
     run = jax.grad(loss, argnums=tuple(range(6)))
