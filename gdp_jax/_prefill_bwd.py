@@ -79,7 +79,8 @@ class BwdConfig(NamedTuple):
   # chunk_o_bwd: o_bk columns of K per block, the V loop in steps of o_bv; o_loop_k: one program
   # per (chunk, value head) walks every K block after forming dP once, where the default grid
   # has a program per K block, each forming dP and reading do~, V' and dV' itself. The
-  # alternatives are built and exact in the interpreter, not yet timed (docs/performance.md).
+  # alternatives are built and exact in the interpreter, not yet timed (docs/performance.md);
+  # o_loop_k with o_bv=128 does not fit an sm_90 block's shared memory in float32.
   o_bk: int = 64
   o_bv: int = 64
   o_loop_k: bool = False

@@ -236,11 +236,14 @@ O_GPU_CASES = [Case(B=2, T=600, H=4, HV=8, K=128, V=128, M=2, dtype="bfloat16", 
                Case(B=2, T=500, H=2, HV=4, K=256, V=512, M=2, dtype="bfloat16", l2norm=True)]
 
 
+# float32 with LOOP_K and o_bv=128 needs 237568 B of shared memory, over an sm_90 block's.
+O_GPU_PARAMS = [pytest.param(c, v, id=c.id + "-" + ",".join(f"{k}={int(x)}" for k, x in v.items()))
+                for c in O_GPU_CASES for v in O_GPU_VARIANTS
+                if not (c.dtype == "float32" and v == dict(o_loop_k=True, o_bv=128))]
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("variant", O_GPU_VARIANTS,
-                         ids=[",".join(f"{k}={int(v)}" for k, v in d.items())
-                              for d in O_GPU_VARIANTS])
-@pytest.mark.parametrize("c", O_GPU_CASES, ids=lambda c: c.id)
+@pytest.mark.parametrize("c,variant", O_GPU_PARAMS)
 def test_chunk_o_bwd_variants_gpu(c, variant):
   """A chunk_o_bwd variant compiled: against the reference, and two runs bitwise equal (the
   patterns Triton miscompiles on Hopper showed as run-to-run differences)."""
