@@ -92,6 +92,9 @@ class BwdConfig(NamedTuple):
   # thousands of programs at training sizes (8192 for dk at B=4 T=2048 H=16 M=2).
   qk_block: int = 4096
   qk_warps: int = 4
+  # With HV == H, chunk_wy_bwd finishes dk (norm backward, cast, zero tail) instead of writing
+  # float32 rows for qk_bwd (0: the qk_bwd path, kept to time the two against each other).
+  finish_dk: int = 1
 
 
 class _Static(NamedTuple):
@@ -293,33 +296,33 @@ def _backward(q, k, v, g, beta, initial_state, cu_seqlens, res, do, dht, static)
       H=H, HV=HV, K=K, V=V, M=M, BT=BT, BK=cfg.o_bk, BV=cfg.o_bv, NK=nk,
       KP=1 << (K - 1).bit_length(), LOOP_K=bool(cfg.o_loop_k), USE_G=use_g, DOT_PRECISION=prec)
 
+  # Without value heads to sum (HV == H), chunk_wy_bwd finishes dk in k's dtype; otherwise it
+  # leaves float32 rows per value head for qk_bwd. With cu_seqlens it writes the zero rows past
+  # cu_seqlens[N] of its outputs too (block i_d by descriptor i_d: enough descriptors).
+  l2 = static.use_qk_l2norm_in_kernel
+  finish_dk = HV == H and bool(cfg.finish_dk)
+  assert desc_x.shape[0] * BT >= R, (desc_x.shape, R)
   dk_x, dv_x, dbeta_x, dg_x, _ = _launch.call(
       "chunk_wy_bwd.chunk_wy_bwd_kernel", kn, vp, beta_p, gx if use_g else ph(), Ai, dw, dvp,
-      dk_o, dg_k if use_g else ph(), cu, desc_x,
+      dk_o, dg_k if use_g else ph(), kp if finish_dk and l2 else ph(dtype),
+      rk if finish_dk and l2 else ph(), cu, desc_x, N, R,
       grid=(desc_x.shape[0], HV),
-      out_shape=[jax.ShapeDtypeStruct((R, HV, K), f32), jax.ShapeDtypeStruct((R, HV, V), v.dtype),
+      out_shape=[jax.ShapeDtypeStruct((R, HV, K), k.dtype if finish_dk else f32),
+                 jax.ShapeDtypeStruct((R, HV, V), v.dtype),
                  jax.ShapeDtypeStruct((R, HV), f32),
                  jax.ShapeDtypeStruct((R, HV) if use_g else (1,), f32),
                  jax.ShapeDtypeStruct((R, HV, BT), dtype)],
       backend=backend, num_warps=cfg.wy_warps, num_stages=2,
       H=H, HV=HV, K=K, V=V, M=M, BT=BT, BK=_BK, BV=_BV, NK=nk, USE_G=use_g,
+      FINISH_DK=finish_dk, USE_L2NORM=l2, ZERO_TAIL=cu_seqlens is not None,
       DOT_PRECISION=prec)
 
-  # The group sums over value heads, the L2 norm's backward, the zero rows past cu_seqlens[N]
-  # and the cast, in one pass over each float32 buffer.
-  l2 = static.use_qk_l2norm_in_kernel
+  # qk_bwd: the group sums over value heads, the L2 norm's backward, the zero rows past
+  # cu_seqlens[N] and the cast, in one pass over each float32 buffer.
   dq = _qk_bwd(dq_v, qp if l2 else None, cu, N, 1, H, q.dtype, backend, cfg)
-  dk = _qk_bwd(dk_x, kp if l2 else None, cu, N, M, H, k.dtype, backend, cfg)
+  dk = dk_x if finish_dk else _qk_bwd(dk_x, kp if l2 else None, cu, N, M, H, k.dtype, backend,
+                                      cfg)
   dg = dg_x.reshape(TT, M, HV)[:, 0] if use_g else None
-
-  # Rows past cu_seqlens[N] belong to no sequence and no kernel writes them: exactly zero (a
-  # select, so whatever the buffers held does not leak).
-  if cu_seqlens is not None:
-    tok = jnp.arange(TT) < cu[N]
-    row = jnp.arange(R) < cu[N] * M
-    dg = jnp.where(tok[:, None], dg, 0) if use_g else None
-    dv_x = jnp.where(row[:, None, None], dv_x, 0)
-    dbeta_x = jnp.where(row[:, None], dbeta_x, 0)
 
   return (dq.reshape(q.shape), dk.reshape(k.shape),
           dv_x.reshape(v.shape).astype(v.dtype),

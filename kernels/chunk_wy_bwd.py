@@ -21,6 +21,17 @@ The per-row dG of chunk_o_bwd (one column per K block) is added, and the chunk's
 cumulative sum turns dG (the cotangent of the chunk-local cumulative decays) into the cotangent
 of each row's own log decay.
 
+With FINISH_DK (HV == H: no value heads to sum) the program owns whole rows of the key
+gradient, so it finishes dk itself instead of leaving float32 rows for qk_bwd: with USE_L2NORM
+the norm's backward dx = r (dy - y <y, dy>), y = x r (x the raw key row, r its row factor from
+the forward), then the cast to the gradient's dtype. <y, dy> needs the whole row before any of
+it is stored, so the dk loop runs twice, the first time for that sum only: three more products
+per K block instead of a float32 round trip of every row through memory.
+
+With ZERO_TAIL (packed inputs) program i_d also writes zeros over the i_d-th block of BT rows at
+or past cu_seqlens[N] * M in dv, dbeta, dg and (with FINISH_DK) dk: those rows belong to no
+sequence, and the descriptors (at least ceil(T*M / BT) of them) outnumber their blocks.
+
 Grid: (expanded-chunk descriptors, HV). Parameter order: inputs, outputs, constexprs.
 """
 import triton
@@ -41,10 +52,15 @@ def chunk_wy_bwd_kernel(
     du,          # [T*M, HV, V] dV' from chunk_h_bwd, input dtype
     dk_in,       # [T*M, HV, K] float32 from chunk_o_bwd
     dg_in,       # [T*M, HV, NK] float32 from chunk_o_bwd; a placeholder when USE_G is False
+    x,           # [T*M, H, K] raw keys; a placeholder unless FINISH_DK and USE_L2NORM
+    rk,          # [T*M, H] float32 key row factors; a placeholder unless FINISH_DK and USE_L2NORM
     cu_seqlens,  # [N+1] int32 token-stream sequence starts
     chunk_desc,  # [NXD, 2] int32 (sequence, expanded chunk within it); sequence -1 = padding
+    N,           # sequences
+    R,           # rows of the expanded stream, T*M
     # outputs
-    dk,          # [T*M, HV, K] float32, per value head
+    dk,          # [T*M, HV, K] float32 per value head; with FINISH_DK the key gradient in its
+                 # dtype
     dv,          # [T*M, HV, V] in the dtype of v's cotangent (the last use: no float32 copy)
     dbeta,       # [T*M, HV] float32
     dg,          # [T*M, HV] float32 cotangent of each row's log decay; unwritten without USE_G
@@ -62,15 +78,21 @@ def chunk_wy_bwd_kernel(
     NK: tl.constexpr,
     # flags
     USE_G: tl.constexpr,
+    FINISH_DK: tl.constexpr,   # HV == H: dk finished here (norm backward, cast)
+    USE_L2NORM: tl.constexpr,
+    ZERO_TAIL: tl.constexpr,   # packed: zero the rows past cu_seqlens[N] * M
     DOT_PRECISION: tl.constexpr,
 ):
   i_d, i_hv = tl.program_id(0), tl.program_id(1)
   i_h = i_hv // (HV // H)
+  o_a = tl.arange(0, BT)
+  if ZERO_TAIL:
+    _zero_tail_block(dk, dv, dbeta, dg, cu_seqlens, N, R, i_d, i_hv, o_a, HV, K, V, M, BT, BK,
+                     BV, USE_G, FINISH_DK)
   i_n, row0, n = chunk_span(chunk_desc, cu_seqlens, i_d, M, BT)
   if i_n < 0:
     return
   dt = k.dtype.element_ty
-  o_a = tl.arange(0, BT)
   mask_r = o_a < n
   row = row0 + o_a
   m_rr = mask_r[:, None] & mask_r[None, :]
@@ -87,7 +109,8 @@ def chunk_wy_bwd_kernel(
 
   b_dT = tl.zeros([BT, BT], dtype=tl.float32)
   b_kk = tl.zeros([BT, BT], dtype=tl.float32)
-  p_k = k + row0 * (H * K) + i_h * K
+  o_kr = row0 * (H * K) + i_h * K   # the chunk's first key row
+  p_k = k + o_kr
   p_kv = row0 * (HV * K) + i_hv * K
   for i_k in range(tl.cdiv(K, BK)):
     o_k = i_k * BK + tl.arange(0, BK)
@@ -149,17 +172,30 @@ def chunk_wy_bwd_kernel(
   b_dAmt = tl.load(p_s + o_a[None, :] * (HV * BT) + o_a[:, None], mask=mask_r[None, :],
                    other=0.)
 
+  if FINISH_DK and USE_L2NORM:
+    # <y, dy> per row, y from the raw rows: a tile of its own, not the key tile the products
+    # take (a tile feeding a dot and a reduction in one loop is miscompiled, see above).
+    b_r = tl.load(rk + row * H + i_h, mask=mask_r, other=0.)
+    b_yd = tl.zeros([BT], dtype=tl.float32)
+    for i_k in range(tl.cdiv(K, BK)):
+      o_k = i_k * BK + tl.arange(0, BK)
+      m_rk = mask_r[:, None] & (o_k < K)[None, :]
+      b_dk = _dk_block(p_k, dw, dk_in, p_kv, b_ait, b_dAm, b_dAmt, b_bg, o_a, o_k, m_rk, H, HV,
+                       K, DOT_PRECISION)
+      b_y = tl.load(x + o_kr + o_a[:, None] * (H * K) + o_k[None, :], mask=m_rk,
+                    other=0.).to(tl.float32) * b_r[:, None]
+      b_yd += tl.sum(b_dk * b_y, 1)
   for i_k in range(tl.cdiv(K, BK)):
     o_k = i_k * BK + tl.arange(0, BK)
     m_rk = mask_r[:, None] & (o_k < K)[None, :]
-    b_k = tl.load(p_k + o_a[:, None] * (H * K) + o_k[None, :], mask=m_rk, other=0.)
-    b_dw = tl.load(dw + p_kv + o_a[:, None] * (HV * K) + o_k[None, :], mask=m_rk, other=0.)
-    b_dkb = tl.dot(b_ait, b_dw.to(dt), input_precision=DOT_PRECISION)
-    b_dk = tl.load(dk_in + p_kv + o_a[:, None] * (HV * K) + o_k[None, :], mask=m_rk, other=0.)
-    b_dk += b_dkb * b_bg[:, None]
-    b_dk += tl.dot(b_dAm.to(dt), b_k, input_precision=DOT_PRECISION)
-    b_dk += tl.dot(b_dAmt.to(dt), b_k, input_precision=DOT_PRECISION)
-    tl.store(dk + p_kv + o_a[:, None] * (HV * K) + o_k[None, :], b_dk, mask=m_rk)
+    b_dk = _dk_block(p_k, dw, dk_in, p_kv, b_ait, b_dAm, b_dAmt, b_bg, o_a, o_k, m_rk, H, HV, K,
+                     DOT_PRECISION)
+    if FINISH_DK and USE_L2NORM:
+      b_y = tl.load(x + o_kr + o_a[:, None] * (H * K) + o_k[None, :], mask=m_rk,
+                    other=0.).to(tl.float32) * b_r[:, None]
+      b_dk = b_r[:, None] * (b_dk - b_y * b_yd[:, None])
+    tl.store(dk + p_kv + o_a[:, None] * (HV * K) + o_k[None, :], b_dk.to(dk.dtype.element_ty),
+             mask=m_rk)
   # <dKb, k> in a loop of its own, as <dVb, v> above.
   b_dkk = tl.zeros([BT], dtype=tl.float32)
   for i_k in range(tl.cdiv(K, BK)):
@@ -178,3 +214,44 @@ def chunk_wy_bwd_kernel(
       b_dgr += tl.load(dg_in + (row * HV + i_hv) * NK + i_k, mask=mask_r, other=0.)
     b_dgr = tl.where(mask_r, b_dgr, 0.)
     tl.store(dg + row * HV + i_hv, tl.cumsum(b_dgr, 0, reverse=True), mask=mask_r)
+
+
+@triton.jit
+def _dk_block(p_k, dw, dk_in, p_kv, b_ait, b_dAm, b_dAmt, b_bg, o_a, o_k, m_rk, H: tl.constexpr,
+              HV: tl.constexpr, K: tl.constexpr, DOT_PRECISION: tl.constexpr):
+  """dk of the chunk's rows on columns o_k, float32: dk_in + diag(beta Gamma) T^T dW
+  + (dA . beta Dec) K + (dA . beta Dec)^T K."""
+  b_k = tl.load(p_k + o_a[:, None] * (H * K) + o_k[None, :], mask=m_rk, other=0.)
+  dt = b_k.dtype
+  b_dw = tl.load(dw + p_kv + o_a[:, None] * (HV * K) + o_k[None, :], mask=m_rk, other=0.)
+  b_dkb = tl.dot(b_ait, b_dw.to(dt), input_precision=DOT_PRECISION)
+  b_dk = tl.load(dk_in + p_kv + o_a[:, None] * (HV * K) + o_k[None, :], mask=m_rk, other=0.)
+  b_dk += b_dkb * b_bg[:, None]
+  b_dk += tl.dot(b_dAm.to(dt), b_k, input_precision=DOT_PRECISION)
+  b_dk += tl.dot(b_dAmt.to(dt), b_k, input_precision=DOT_PRECISION)
+  return b_dk
+
+
+@triton.jit
+def _zero_tail_block(dk, dv, dbeta, dg, cu_seqlens, N, R, i_d, i_hv, o_a, HV: tl.constexpr,
+                     K: tl.constexpr, V: tl.constexpr, M: tl.constexpr, BT: tl.constexpr,
+                     BK: tl.constexpr, BV: tl.constexpr, USE_G: tl.constexpr,
+                     FINISH_DK: tl.constexpr):
+  """Zeros over value head i_hv of block i_d of the rows at or past cu_seqlens[N] * M."""
+  row = tl.load(cu_seqlens + N).to(tl.int64) * M + i_d * BT + o_a
+  mask_r = row < R
+  zero = tl.zeros([BT], dtype=tl.float32)
+  tl.store(dbeta + row * HV + i_hv, zero, mask=mask_r)
+  if USE_G:
+    tl.store(dg + row * HV + i_hv, zero, mask=mask_r)
+  for i_v in range(tl.cdiv(V, BV)):
+    o_v = i_v * BV + tl.arange(0, BV)
+    tl.store(dv + row[:, None] * (HV * V) + i_hv * V + o_v[None, :],
+             tl.zeros([BT, BV], dtype=dv.dtype.element_ty),
+             mask=mask_r[:, None] & (o_v < V)[None, :])
+  if FINISH_DK:
+    for i_k in range(tl.cdiv(K, BK)):
+      o_k = i_k * BK + tl.arange(0, BK)
+      tl.store(dk + row[:, None] * (HV * K) + i_hv * K + o_k[None, :],
+               tl.zeros([BT, BK], dtype=dk.dtype.element_ty),
+               mask=mask_r[:, None] & (o_k < K)[None, :])

@@ -45,6 +45,9 @@ CASES = [
     Case(T=40, HV=1, K=256, V=16, M=2, init=False),                # four state tiles
     Case(T=150, HV=2, M=2, varlen=(5, 0, 70, 1, 64), l2norm=True),  # empty sequence, slack
     Case(T=70, K=32, V=32, M=2, dtype="bfloat16", l2norm=True),
+    # HV == H: chunk_wy_bwd finishes dk (norm backward, cast, zero tail) without qk_bwd.
+    Case(T=150, H=2, HV=2, K=100, V=48, M=3, varlen=(5, 0, 70, 1, 64), l2norm=True),
+    Case(T=70, H=2, HV=2, K=32, V=32, M=2, dtype="bfloat16", l2norm=True),
 ]
 GPU_CASES = [
     Case(B=2, T=600, H=4, HV=8, K=128, V=128, M=2, dtype="bfloat16", l2norm=True),
@@ -187,6 +190,27 @@ def test_prefill_grads(c):
 @pytest.mark.parametrize("c", GPU_CASES, ids=lambda c: c.id)
 def test_prefill_grads_gpu(c):
   check_grads(c, "triton")
+
+
+# dk finished by chunk_wy_bwd (HV == H) or by qk_bwd: without the L2 norm the same float32 sum
+# rounded once (bitwise equal), with it the norm's backward from the forward's row factors
+# against qk_bwd's own.
+FINISH_CASES = [
+    Case(T=100, H=2, HV=2, K=80, V=32, M=2, varlen=(30, 0, 50), l2norm=True),
+    Case(T=100, H=1, HV=1, K=32, V=32, M=1, varlen=(30, 0, 50)),
+    Case(T=70, H=2, HV=2, K=32, V=32, M=3, dtype="bfloat16", l2norm=True),
+]
+
+
+@pytest.mark.parametrize("c", FINISH_CASES, ids=lambda c: c.id)
+def test_dk_finished_in_wy_bwd(c):
+  qk, wy = check_grads(c, KERNEL_BACKEND, configs=[_prefill_bwd.BwdConfig(finish_dk=0),
+                                                   _prefill_bwd.BwdConfig()])
+  for n in qk:
+    if n != "k" or not c.l2norm:
+      assert bits_equal(qk[n], wy[n]), f"d{n} differs between the two paths"
+  e = err_ratio(np.asarray(qk["k"], f64), np.asarray(wy["k"], f64))
+  assert e < (1e-6 if c.dtype == "float32" else 1e-2), f"dk: ratio {e:.3e} between the paths"
 
 
 def test_scan_block_widths_agree():
