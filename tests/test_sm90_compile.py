@@ -29,7 +29,8 @@ SM90_MAX_SHARED = 232448
 # (what, dtype, K, V, N): the largest head sizes the kernels support and the common one; N
 # sequences, few and many; one sequence of 2200 tokens too (T below), so that the forward scan
 # splits into pieces (its summary launch, the chain, the walk per piece) and, for training,
-# the backward's reverse pass does.
+# the backward's reverse pass does; and packed training with as many value heads as key heads
+# (chunk_wy_bwd finishes dk and zeroes the rows past cu_seqlens[N]).
 CASES = [("prefill", "bfloat16", 256, 512, 2), ("prefill", "float32", 256, 512, 2),
          ("prefill", "bfloat16", 128, 128, 2), ("prefill", "bfloat16", 128, 128, 16),
          ("prefill", "float32", 128, 128, 16),
@@ -43,7 +44,8 @@ CASES = [("prefill", "bfloat16", 256, 512, 2), ("prefill", "float32", 256, 512, 
          ("replay_block", "float32", 128, 128, 4), ("commit_block", "bfloat16", 256, 512, 4),
          ("train", "bfloat16", 256, 512, 2), ("train", "float32", 256, 512, 2),
          ("train", "bfloat16", 128, 128, 16), ("train", "float32", 128, 128, 16),
-         ("train", "bfloat16", 128, 128, 1), ("train", "float32", 256, 512, 1)]
+         ("train", "bfloat16", 128, 128, 1), ("train", "float32", 256, 512, 1),
+         ("train_packed", "bfloat16", 128, 128, 3), ("train_packed", "float32", 256, 512, 3)]
 # Training under the chunk_o_bwd variants of BwdConfig (only chunk_o_bwd's launch differs), at the
 # benchmark's K=V=128 and, for LOOP_K, whose first loop loads whole K columns, at the largest
 # heads. Their shared memory does not grow with K (K blocks of BK); in float32 o_loop_k with
@@ -104,6 +106,18 @@ def _record_launches(what, dtype, K, V, N, bwd=None):
       return jnp.sum(o.astype(f32)) + jnp.sum(ht)
 
     run = jax.grad(loss, argnums=tuple(range(6)))
+  elif what == "train_packed":
+    H = HV
+    args = (sds((1, T, H, K), dt), sds((1, T * M, H, K), dt), sds((1, T * M, HV, V), dt),
+            sds((1, T, HV), f32), sds((1, T * M, HV), dt), sds((N + 1,), jnp.int32))
+
+    def loss(q, k, v, g, beta, cu):
+      o, _ = gdp_jax.chunk_gated_delta_product(
+          q, k, v, g, beta, num_householder=M, cu_seqlens=cu, use_qk_l2norm_in_kernel=True,
+          backend="triton")
+      return jnp.sum(o.astype(f32))
+
+    run = jax.grad(loss, argnums=tuple(range(5)))
   elif what.split("_")[0] in ("replay", "commit"):
     D = 3
     config = None
