@@ -154,13 +154,6 @@ def _prefill_bwd(static, saved, cotangents):
 _prefill.defvjp(_prefill_fwd, _prefill_bwd)
 
 
-def _l2norm(x):
-  """(x / sqrt(|x|^2 + 1e-6), the factor 1 / sqrt(|x|^2 + 1e-6)) over the last axis, float32."""
-  x = x.astype(jnp.float32)
-  r = jax.lax.rsqrt(jnp.sum(x * x, -1, keepdims=True) + 1e-6)
-  return x * r, r
-
-
 def _qk_bwd(dy_v, x, cu, N, M, H, out_dtype, backend, cfg):
   """dq or dk [rows, H, K] in out_dtype from the per-value-head float32 cotangent dy_v
   [rows, HV, K] (kernels/qk_bwd.py): dy, the float32 sum over each key head's value heads; with
@@ -211,7 +204,7 @@ def _piece_states(summary, dht, K):
 
 def _backward(q, k, v, g, beta, initial_state, cu_seqlens, res, do, dht, static):
   """(dq, dk, dv, dg, dbeta, dh0), each in its input's dtype (None for an absent input)."""
-  Ai, gx, rk, h_x, v_new = res
+  Ai, gx, rk, h_x, v_new, qn, kn = res
   M = static.num_householder
   backend = static.backend
   B, T, H, K = q.shape
@@ -229,11 +222,8 @@ def _backward(q, k, v, g, beta, initial_state, cu_seqlens, res, do, dht, static)
   n_rows_x = desc_x.shape[0]
   offsets_x = pk.chunk_offsets(cu * M)
 
-  # The backward kernels take the normalised rows themselves.
-  if static.use_qk_l2norm_in_kernel:
-    qn = _l2norm(qp)[0].astype(dtype)
-    kn = (kp.astype(jnp.float32) * rk[..., None]).astype(dtype)
-  else:
+  # The backward kernels take the normalised rows themselves (stored by the forward).
+  if not static.use_qk_l2norm_in_kernel:
     qn, kn = qp, kp
   do_t = do.reshape(TT, HV, V).astype(dtype)
 

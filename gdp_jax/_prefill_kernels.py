@@ -16,7 +16,8 @@ Stage 0 (§4.2) never writes normalised rows: every use of a normalised q or k r
 that row, so the kernels take the raw rows and scale their dot products by float32 row factors
 1 / sqrt(|x|^2 + 1e-6) (keys: computed and stored by stage 2; queries: computed by stage 6).
 Normalised rows are neither rounded to the input dtype nor written back (1.6 GB at B=8 T=4096
-H=32).
+H=32), except by the training forward (`return_residuals`), whose backward kernels take them:
+there stages 2 and 6 store them in the input dtype beside their outputs.
 
 Each kernel's launch is spelled once, by a `_<stage>_launch` builder that returns a
 `KernelCall` (kernel, inputs in the kernel's order, output shapes, grid, constexprs, warps and
@@ -228,15 +229,19 @@ _f32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)
 # token axis) ------------------------------------------------------------------------------
 
 
-def _kkt_launch(k, beta, g, cu, desc, *, HV, M, l2norm, config: FwdConfig) -> KernelCall:
+def _kkt_launch(k, beta, g, cu, desc, *, HV, M, l2norm, config: FwdConfig,
+                store_kn=False) -> KernelCall:
   TM, H, K = k.shape
+  store_kn = store_kn and l2norm
   return KernelCall(
       "chunk_kkt.chunk_kkt_fwd_kernel", (k, beta, _opt(g), cu, desc),
       (_f32(TM, HV, BT), _f32(TM, HV) if g is not None else _f32(1),
-       _f32(TM, H) if l2norm else _f32(1)),
+       _f32(TM, H) if l2norm else _f32(1),
+       jax.ShapeDtypeStruct((TM, H, K), k.dtype) if store_kn else _f32(1)),
       grid=(desc.shape[0], HV), num_warps=config.kkt_warps,
       constexprs=dict(H=H, HV=HV, K=K, M=M, BT=BT, BK=config.kkt_bk, USE_G=g is not None,
-                      USE_RNORM=l2norm, DOT_PRECISION=_dot_precision(k.dtype)))
+                      USE_RNORM=l2norm, STORE_KN=store_kn,
+                      DOT_PRECISION=_dot_precision(k.dtype)))
 
 
 def _kkt(k, beta, g, cu, desc, *, HV, M, backend, l2norm=False, config=FwdConfig()):
@@ -247,8 +252,8 @@ def _kkt(k, beta, g, cu, desc, *, HV, M, backend, l2norm=False, config=FwdConfig
   `l2norm` the key row factors rk [T*M, H], else None. Rows past cu_seqlens[N] are never
   written.
   """
-  A, gx, rk = _kkt_launch(k, beta, g, cu, desc, HV=HV, M=M, l2norm=l2norm,
-                          config=config).run(backend)
+  A, gx, rk, _ = _kkt_launch(k, beta, g, cu, desc, HV=HV, M=M, l2norm=l2norm,
+                             config=config).run(backend)
   return A, (gx if g is not None else None), (rk if l2norm else None)
 
 
@@ -380,19 +385,22 @@ def _scan(k, v, beta, Ai, gx, cu, offsets, n_rows, *, M, h0, state_indices, fina
 
 
 def _output_launch(q, k, v_new, h, g, state_indices, S, cu, desc, *, M, scale, out_dtype, rk,
-                   config: FwdConfig, h_offsets=None) -> KernelCall:
+                   config: FwdConfig, h_offsets=None, store_qn=False) -> KernelCall:
   T, H, K = q.shape
   _, HV, V = v_new.shape
+  store_qn = store_qn and rk is not None
   return KernelCall(
       "chunk_o.chunk_o_fwd_kernel",
       (q, k, v_new, h, _opt(h_offsets, jnp.int32), _opt(g), _opt(rk),
        _opt(state_indices, jnp.int32), cu, desc, S, float(scale)),
-      (jax.ShapeDtypeStruct((T, HV, V), out_dtype),),
+      (jax.ShapeDtypeStruct((T, HV, V), out_dtype),
+       jax.ShapeDtypeStruct((T, H, K), q.dtype) if store_qn else _f32(1)),
       grid=(desc.shape[0], -(-V // config.o_bv), HV), num_warps=config.o_warps,
       num_stages=config.o_stages,
       constexprs=dict(H=H, HV=HV, K=K, V=V, M=M, BT=BT, BK=config.o_bk, BV=config.o_bv,
                       H_PER_CHUNK=M if h_offsets is not None else 1, USE_G=g is not None, HAS_STATE_INDICES=state_indices is not None,
-                      USE_RNORM=rk is not None, DOT_PRECISION=_dot_precision(q.dtype)))
+                      USE_RNORM=rk is not None, STORE_QN=store_qn,
+                      DOT_PRECISION=_dot_precision(q.dtype)))
 
 
 def _output(q, k, v_new, h, g, state_indices, S, cu, desc, *, M, scale, out_dtype, backend,
@@ -404,7 +412,7 @@ def _output(q, k, v_new, h, g, state_indices, S, cu, desc, *, M, scale, out_dtyp
   token chunk (row: descriptor index), or with h_offsets ([N+1] int32,
   chunk_offsets(M * cu_seqlens)) the state entering every expanded chunk, of which token chunk
   c of sequence n reads row h_offsets[n] + M c."""
-  (o,) = _output_launch(q, k, v_new, h, g, state_indices, S, cu, desc, M=M, scale=scale,
+  o, _ = _output_launch(q, k, v_new, h, g, state_indices, S, cu, desc, M=M, scale=scale,
                         out_dtype=out_dtype, rk=rk, config=config,
                         h_offsets=h_offsets).run(backend)
   return o
@@ -440,9 +448,11 @@ def _chunk_gated_delta_product_fwd(
       the expanded-stream log2 cumulative decays Gx [B*T*M, HV] float32 (None without g), the
       key row factors [B*T*M, H] float32 (None without the L2 norm), the state entering every
       expanded chunk h_x [NXD, HV, K, V] in k.dtype (expanded chunk j of sequence n at row
-      chunk_offsets(M * cu_seqlens)[n] + j) and v_new [B*T*M, HV, V]. The first three are
-      intermediates of every forward; h_x costs the scan a checkpoint per expanded chunk
-      instead of per token chunk (stage 6 reads every M-th of them in place).
+      chunk_offsets(M * cu_seqlens)[n] + j), v_new [B*T*M, HV, V], and with the L2 norm the
+      normalised queries [B*T, H, K] and keys [B*T*M, H, K] in k.dtype (else None; rows of no
+      sequence unwritten). The first three are intermediates of every forward; h_x costs the
+      scan a checkpoint per expanded chunk instead of per token chunk (stage 6 reads every
+      M-th of them in place); the normalised rows cost stages 2 and 6 a store each.
     config: the kernels' block sizes and warps (static; benchmarks sweep it).
 
   Returns:
@@ -482,8 +492,11 @@ def _chunk_gated_delta_product_fwd(
   if g is not None:
     g = g.reshape(B * T, HV).astype(jnp.float32)
 
-  A, gx, rk = _kkt(k, beta, g, cu, desc_x, HV=HV, M=M, backend=backend,
-                   l2norm=use_qk_l2norm_in_kernel, config=config)
+  A, gx, rk, kn = _kkt_launch(k, beta, g, cu, desc_x, HV=HV, M=M,
+                              l2norm=use_qk_l2norm_in_kernel, config=config,
+                              store_kn=return_residuals).run(backend)
+  gx = gx if g is not None else None
+  rk = rk if use_qk_l2norm_in_kernel else None
   Ai = _solve(A, cu, desc_x, M=M, dtype=dtype, backend=backend, config=config)
 
   if state is not None:
@@ -521,8 +534,9 @@ def _chunk_gated_delta_product_fwd(
         final_kind=final_kind, h_dtype=h_dtype, snap_dtype=snap_dtype, backend=backend, rk=rk,
         config=config, pieces=pieces)
   S = state.shape[0] if state is not None else N
-  o = _output(q, k, v_new, h, g, state_indices, S, cu, desc_t, M=M, scale=scale,
-              out_dtype=out_dtype, backend=backend, rk=rk, config=config, h_offsets=h_offsets)
+  o, qn = _output_launch(q, k, v_new, h, g, state_indices, S, cu, desc_t, M=M, scale=scale,
+                         out_dtype=out_dtype, rk=rk, config=config, h_offsets=h_offsets,
+                         store_qn=return_residuals).run(backend)
 
   if cu_seqlens is not None:
     # Tokens past cu_seqlens[N] belong to no sequence and no program writes them (§5.4); a
@@ -541,5 +555,7 @@ def _chunk_gated_delta_product_fwd(
       states = states.reshape(B, -(-T // BT), HV, K, V)
     outputs = outputs + (states,)
   if return_residuals:
-    outputs = outputs + ((Ai, gx, rk, h_x, v_new),)
+    normed = use_qk_l2norm_in_kernel
+    outputs = outputs + ((Ai, gx, rk, h_x, v_new, qn if normed else None,
+                          kn if normed else None),)
   return outputs

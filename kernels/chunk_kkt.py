@@ -20,6 +20,9 @@ the first of its value heads), instead of a separate pass over k. |k_a|^2 is rea
 diagonal of the unscaled K K^T (exact products, float32 sums), not summed from the key tiles:
 a tile that feeds a Hopper tensor-core dot and a register reduction in the same pipelined
 K loop came out wrong on the H200 (bfloat16, K = 256: two slices; docs/algorithm.md §4.2).
+With STORE_KN (the training forward only) the same writer also stores the normalised rows
+k rk in the input dtype, which the backward kernels take, rereading its key tiles in a loop of
+their own.
 
 Grid: (number of expanded-chunk descriptors, HV). Program (i_d, i_hv) owns the 64x64 block of
 descriptor i_d and value head i_hv; a padding descriptor (sequence -1) returns at once.
@@ -44,6 +47,7 @@ def chunk_kkt_fwd_kernel(
     A,           # [T*M, HV, BT] float32
     g_cum,       # [T*M, HV] float32 Gx (log2 units) of every sequence row; unwritten without USE_G
     rk,          # [T*M, H] float32 1/|k| row factors; never written when USE_RNORM is False
+    kn,          # [T*M, H, K] k rk in k's dtype; never written unless STORE_KN
     # sizes
     H: tl.constexpr,
     HV: tl.constexpr,
@@ -54,6 +58,7 @@ def chunk_kkt_fwd_kernel(
     # flags
     USE_G: tl.constexpr,
     USE_RNORM: tl.constexpr,  # keys L2-normalised by row factors computed here
+    STORE_KN: tl.constexpr,   # with USE_RNORM: store the normalised keys too
     DOT_PRECISION: tl.constexpr,  # "ieee" for float32 inputs, else the tensor-core default
 ):
   i_d, i_hv = tl.program_id(0), tl.program_id(1)
@@ -78,6 +83,13 @@ def chunk_kkt_fwd_kernel(
     b_rk = tl.math.rsqrt(b_ss + 1e-6)
     if i_hv % (HV // H) == 0:
       tl.store(rk + row0 * H + (o_r * H + i_h), b_rk, mask=mask_r)
+      if STORE_KN:
+        for i_k in range(tl.cdiv(K, BK)):
+          o_kk = i_k * BK + o_k
+          m_rk = mask_r[:, None] & (o_kk < K)[None, :]
+          b_k = tl.load(p_k + (o_r[:, None] * (H * K) + o_kk[None, :]), mask=m_rk, other=0.)
+          tl.store(kn + row0 * (H * K) + i_h * K + (o_r[:, None] * (H * K) + o_kk[None, :]),
+                   (b_k.to(tl.float32) * b_rk[:, None]).to(kn.dtype.element_ty), mask=m_rk)
     b_A = b_A * (b_rk[:, None] * b_rk[None, :])
   b_beta = tl.load(beta + row0 * HV + (o_r * HV + i_hv), mask=mask_r, other=0.).to(tl.float32)
   m_A = (o_r[:, None] > o_r[None, :]) & mask_r[:, None]

@@ -18,7 +18,9 @@ With USE_RNORM, q and k are L2-normalised (§4.2) by float32 row factors applied
 dots: the key factors rk come from stage 2; the query factors are computed here (q is read by
 no other stage), in a loop of their own: a q tile that feeds a Hopper tensor-core dot and a
 register reduction in the same pipelined K loop came out wrong on the H200 (bfloat16, K = 256;
-docs/algorithm.md §4.2).
+docs/algorithm.md §4.2). With STORE_QN (the training forward only) the programs of the first V
+block and the first value head of each key head also store the normalised queries q rq in the
+input dtype, which the backward kernels take.
 
 Rows past the sequence end are neither loaded nor stored. With state indices, a sequence whose
 slot is outside [0, S) is padding and its output rows are written as zeros, without reading
@@ -60,6 +62,7 @@ def chunk_o_fwd_kernel(
     scale,          # float32 query scale
     # outputs
     o,              # [T, HV, V] in v.dtype
+    qn,             # [T, H, K] q rq in q's dtype; never written unless STORE_QN
     # sizes
     H: tl.constexpr,
     HV: tl.constexpr,
@@ -74,6 +77,7 @@ def chunk_o_fwd_kernel(
     USE_G: tl.constexpr,
     HAS_STATE_INDICES: tl.constexpr,
     USE_RNORM: tl.constexpr,  # q and k L2-normalised by row factors, applied after the dots
+    STORE_QN: tl.constexpr,   # with USE_RNORM: store the normalised queries too
     DOT_PRECISION: tl.constexpr,  # "ieee" for float32 inputs, else the tensor-core default
 ):
   i_d, i_v, i_hv = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -124,6 +128,13 @@ def chunk_o_fwd_kernel(
       b_ss += tl.sum(b_qf * b_qf, 1)
     b_rq = tl.math.rsqrt(b_ss + 1e-6)
     b_o = b_o * b_rq[:, None]
+    if STORE_QN:
+      if (i_v == 0) & (i_hv % (HV // H) == 0):
+        p_qn = qn + t0 * (H * K) + i_h * K + (o_t[:, None] * (H * K) + o_k[None, :])
+        for i_k in range(tl.cdiv(K, BK)):
+          m_tk = mask_t[:, None] & (i_k * BK + o_k < K)[None, :]
+          b_qf = tl.load(p_q + i_k * BK, mask=m_tk, other=0.).to(tl.float32)
+          tl.store(p_qn + i_k * BK, (b_qf * b_rq[:, None]).to(qn.dtype.element_ty), mask=m_tk)
   m_A = (o_t[:, None] >= o_t[None, :]) & mask_t[:, None] & mask_t[None, :]
   if USE_G:
     b_g = chunk_decays(g, t0, n, i_hv, HV, 1, BT)

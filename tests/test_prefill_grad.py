@@ -213,6 +213,35 @@ def test_dk_finished_in_wy_bwd(c):
   assert e < (1e-6 if c.dtype == "float32" else 1e-2), f"dk: ratio {e:.3e} between the paths"
 
 
+def test_training_forward_stores_normalised_rows():
+  """With the L2 norm the training forward hands the backward q and k normalised in the input
+  dtype, stored by stages 2 and 6 (every row of every sequence; one writer per key head): the
+  keys bit for bit k rk rounded once, with the forward's own row factors rk; the queries
+  within a rounding of q / |q|."""
+  from gdp_jax import _prefill_kernels as pk
+  H, HV, K, M, dt = 2, 4, 160, 2, jnp.bfloat16   # two K blocks in each kernel
+  lens = (40, 0, 70)
+  T = sum(lens) + 9
+  rng = np.random.default_rng(4)
+  q = jnp.asarray(rng.standard_normal((1, T, H, K)) * 3, dt)
+  k = jnp.asarray(rng.standard_normal((1, T * M, H, K)) * 3, dt)
+  v = jnp.asarray(rng.standard_normal((1, T * M, HV, 16)), dt)
+  cu = jnp.asarray(np.concatenate([[0], np.cumsum(lens)]), jnp.int32)
+  *_, res = pk._chunk_gated_delta_product_fwd(
+      q, k, v, None, None, num_householder=M, scale=1.0, initial_state=None,
+      output_final_state=False, use_qk_l2norm_in_kernel=True, cu_seqlens=cu, state=None,
+      state_indices=None, return_chunk_states=False, chunk_states_dtype=None,
+      backend=KERNEL_BACKEND, return_residuals=True)
+  rk, qn, kn = res[2], res[5], res[6]
+  n = int(cu[-1])
+  assert qn.dtype == dt and qn.shape == (T, H, K) and kn.dtype == dt and kn.shape == (T * M, H, K)
+  want_k = (k.reshape(T * M, H, K).astype(jnp.float32) * rk[..., None]).astype(dt)
+  assert bits_equal(kn[:n * M], want_k[:n * M])
+  qf = np.asarray(q[0, :n], f64)
+  want_q = qf / np.sqrt(np.sum(qf * qf, -1, keepdims=True) + 1e-6)
+  assert_close("qn", want_q, np.asarray(qn[:n], f64), 4e-3)
+
+
 def test_scan_block_widths_agree():
   """The backward scan's V blocks at 16 and at 64 (the default) give the same gradients:
   columns of dS are independent, only the tiling differs."""
