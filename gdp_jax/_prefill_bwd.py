@@ -8,9 +8,9 @@ differentiable.
 
 The forward rule is the plain forward with its scan run on the expanded stream as M = 1
 (`return_residuals`), so that it checkpoints the state entering every expanded chunk, and it
-hands back that and five more intermediates (the per-chunk inverse Ai, the expanded-stream
-cumulative decays Gx, the key row factors, V'): a plain forward call never goes through it, so
-it pays nothing for training. The backward (docs/algorithm.md §13.1) runs on the expanded stream
+hands back that and more intermediates (the per-chunk inverse Ai, the expanded-stream
+cumulative decays Gx, the key row factors, V', and with the L2 norm the normalised q and k
+rows): a plain forward call never goes through it, so it pays nothing for training. The backward (docs/algorithm.md §13.1) runs on the expanded stream
 as Gated DeltaNet, with the query and the output cotangent placed on each token's last copy (the
 kernels read both from the token stream):
 
@@ -23,13 +23,15 @@ kernels read both from the token stream):
 The last is one pass over each of the float32 [rows, HV, K] buffers of dq (token stream: dq
 exists on each token's last copy only, where q~ sits) and dk (expanded stream): it sums the
 value heads of each key head, applies the L2 norm's backward dx = (dy - y <y, dy>) / |x|_eps,
-writes rows past cu_seqlens[N] as zeros and stores the gradient in its input's dtype. What stays
-in XLA: the normalised q and k rows the kernels take (a copy each, input dtype), dg kept from each
-token's first copy, and with cu_seqlens selects that zero the rows of dv, dbeta and dg past
-cu_seqlens[N]. The chunk states are saved by the forward rather
-than recomputed (FLA and jax-linear-attention recompute them with a second scan): a checkpoint
-per expanded chunk costs the forward's scan little, while the second scan is a sequential walk
-of every chunk (docs/performance.md).
+writes rows past cu_seqlens[N] as zeros and stores the gradient in its input's dtype. With
+HV == H there is nothing to sum for dk and chunk_wy_bwd finishes it in place of qk_bwd (the
+norm backward from the forward's key norms, the cast, the zero tail: no float32 dk in memory).
+With cu_seqlens chunk_wy_bwd also writes the zero rows past cu_seqlens[N] of dv, dbeta and dg.
+The normalised q and k rows the kernels take are stored by the training forward (stages 2 and
+6); what stays in XLA is dg kept from each token's first copy. The chunk states are saved by the
+forward rather than recomputed (FLA and jax-linear-attention recompute them with a second
+scan): a checkpoint per expanded chunk costs the forward's scan little, while the second scan
+is a sequential walk of every chunk (docs/performance.md).
 """
 from __future__ import annotations
 
