@@ -45,8 +45,8 @@ CASES = [
     Case(T=40, HV=1, K=256, V=16, M=2, init=False),                # four state tiles
     Case(T=150, HV=2, M=2, varlen=(5, 0, 70, 1, 64), l2norm=True),  # empty sequence, slack
     Case(T=70, K=32, V=32, M=2, dtype="bfloat16", l2norm=True),
-    # HV == H: chunk_wy_bwd finishes dk (norm backward, cast, zero tail) without qk_bwd.
-    # (bfloat16 at HV == H: FINISH_CASES)
+    # HV == H: chunk_wy_bwd finishes dk (norm backward, cast, zero tail) without qk_bwd
+    # (bfloat16 in FINISH_CASES).
     Case(T=150, H=2, HV=2, K=100, V=48, M=3, varlen=(5, 0, 70, 1, 64), l2norm=True),
 ]
 GPU_CASES = [
