@@ -10,9 +10,10 @@ The forward rule is the plain forward with its scan run on the expanded stream a
 (`return_residuals`), so that it checkpoints the state entering every expanded chunk, and it
 hands back that and more intermediates (the per-chunk inverse Ai, the expanded-stream
 cumulative decays Gx, the key row factors, V', and with the L2 norm the normalised q and k
-rows): a plain forward call never goes through it, so it pays nothing for training. The backward (docs/algorithm.md §13.1) runs on the expanded stream
-as Gated DeltaNet, with the query and the output cotangent placed on each token's last copy (the
-kernels read both from the token stream):
+rows): a plain forward call never goes through it, so it pays nothing for training. The
+backward (docs/algorithm.md §13.1) runs on the expanded stream as Gated DeltaNet, with the
+query and the output cotangent placed on each token's last copy (the kernels read both from
+the token stream):
 
     per chunk  dV's part inside the chunk, P^T do~                                 chunk_dv_bwd
     reverse    dS from the final-state cotangent back to dh0; per chunk dh and dV'  chunk_h_bwd
