@@ -90,6 +90,7 @@ def stage_calls(pk, x, B, T, M, backend, config, l2norm=False):
   import numpy as np
   HV = x["v"].shape[1]
   K = x["k"].shape[2]
+  V = x["v"].shape[2]
   cu, desc_x = _descriptors(pk, B, T, M)
   nc = -(-T // pk.BT)
   desc_t = jnp.asarray(pk._dense_descriptors(B, T))
@@ -103,7 +104,7 @@ def stage_calls(pk, x, B, T, M, backend, config, l2norm=False):
       "scan": jax.jit(lambda k, v, b, Ai, gx, rk: pk._scan(
           k, v, b, Ai, gx, cu, offsets, B * nc, M=M, h0=None, state_indices=None,
           final_kind="dense", h_dtype=x["k"].dtype, snap_dtype=None, backend=backend,
-          rk=rk, config=config, pieces=pk._pieces(B, T, M, None, config.h_piece))),
+          rk=rk, config=config, pieces=pk._pieces(B, T, M, None, pk._piece_length(config, HV, K, V, M)))),
       "output": jax.jit(lambda q, k, vn, h, g, rk: pk._output(
           q, k, vn, h, g, None, B, cu, desc_t, M=M, scale=K ** -0.5, out_dtype=x["v"].dtype,
           backend=backend, rk=rk, config=config)),

@@ -75,12 +75,18 @@ class FwdConfig(NamedTuple):
   # (docs/algorithm.md §13.2).
   h_bv_wide: int = 64
   h_bv_big_k: int = 32
-  # The walk of a sequence longer than h_piece expanded chunks is split into pieces of h_piece
-  # chunks that run in parallel (docs/algorithm.md §13.3; 0: never split). A fixed length, so
-  # a sequence's pieces follow from its own length only. Provisional: 64 leaves sequences of
-  # up to 2048 tokens at M=2 unsplit and cuts the chain at B=1 T=8192 M=2 (256 chunks) to
-  # 64 + 3 + 64 steps (summary, chain, walk); not yet timed.
-  h_piece: int = 64
+  # The walk of a sequence longer than a piece is split into pieces that run in parallel
+  # (docs/algorithm.md §13.3). h_piece: the piece in expanded chunks (0: never split); -1, the
+  # default, picks it from the per-request shape only (_piece_length), so a sequence's pieces
+  # follow from its own length and the split is the same alone and in any batch. H200,
+  # 2026-12-01, bf16 (benchmarks/prefill_split.json), pieces of 64 chunks against none:
+  # B=1 T=8192 H=16 0.539 against 0.743 ms, 8 packed sequences of 16384 tokens 1.026 / 1.004,
+  # but B=4 T=2048 H=16 M=3 0.666 / 0.503 and B=8 T=4096 H=32 3.432 / 2.736: where the batch
+  # already fills the SMs the summary pass is pure extra work. Hence pieces of 2048 tokens
+  # (32 M chunks, so T = 2048 stays whole at any M), and only where one sequence has at most
+  # h_split_programs walk programs (HV x ceil(V / BV): 32 at H=16 K=V=128, 64 at H=32).
+  h_piece: int = -1
+  h_split_programs: int = 32
   # The chain's float32 products M_p S + E_p on 16-bit inputs ("tf32x3": three TF32 products on
   # the tensor cores, float32-level accuracy; float32 inputs always take "ieee").
   h_chain_precision: str = "tf32x3"
@@ -123,6 +129,14 @@ class KernelCall(NamedTuple):
 
 def _h_block_v(cfg: FwdConfig, K: int) -> int:
   return cfg.h_bv_big_k if K > 128 else cfg.h_bv_wide
+
+
+def _piece_length(cfg: FwdConfig, HV: int, K: int, V: int, M: int) -> int:
+  """The scan's piece in expanded chunks (0: unsplit), from the per-request shape alone."""
+  if cfg.h_piece >= 0:
+    return cfg.h_piece
+  programs = HV * -(-V // _h_block_v(cfg, K))
+  return 2048 * M // BT if programs <= cfg.h_split_programs else 0
 
 
 def _dense_descriptors(B: int, L: int, chunk_size: int = BT) -> np.ndarray:
@@ -487,7 +501,7 @@ def _chunk_gated_delta_product_fwd(
 
   N, cu, desc_t, desc_x, offsets = _packing(B, T, M, cu_seqlens)
   n_rows = desc_t.shape[0]
-  pieces = _pieces(B, T, M, cu_seqlens, config.h_piece)
+  pieces = _pieces(B, T, M, cu_seqlens, _piece_length(config, HV, K, V, M))
 
   if g is not None:
     g = g.reshape(B * T, HV).astype(jnp.float32)

@@ -189,7 +189,7 @@ def test_prefill_batch_invariance_gpu(HV, L):
   """A sequence alone, at row 2 of a dense batch of 4, and packed third among nine (starting
   137 tokens in, not on a chunk boundary of the stream): bitwise the same o, final state and
   chunk states. 300 tokens are one piece of the forward scan; 2500 (79 expanded chunks at
-  M = 2) are two under the default FwdConfig.h_piece of 64, so the summary, chain and split
+  M = 2) are two under the default pieces of 2048 tokens, so the summary, chain and split
   walk run in all three calls. The other sequences change every launch's grid, which must
   change nothing."""
   check_prefill_invariance(2, min(4, HV), HV, 128, 128, L,

@@ -69,7 +69,7 @@ GPU_CASES = [
          states_dtype="float32"),
     Case(B=1, T=1500, H=2, HV=4, K=100, V=512, M=3, dtype="float32",
          varlen=(200, 0, 65, 1000), cache="slots", chunk_states=True),
-    # The forward scan in pieces of the default FwdConfig.h_piece (64 expanded chunks): 256
+    # The forward scan in the default pieces (2048 tokens: 64 expanded chunks at M = 2): 256
     # chunks in four pieces; 141 in three beside padding (slot -1 and out of range) and an empty
     # sequence; K = 256 V = 512 (the chain's products over four state tiles). Weak decays (e^-1
     # over about 2000 tokens), so that the state entering a piece still counts.
@@ -265,6 +265,13 @@ def test_pieces():
   d = pk._pieces(2, 130, 3, None, 2)                        # 7 chunks each: 4 pieces
   assert d.split and np.asarray(d.offsets).tolist() == [0, 4, 8]
   assert not pk._pieces(2, 130, 3, None, 7).split
+  # The default length, from the per-request shape alone: 2048 tokens where a sequence has at
+  # most 32 walk programs (H=16 K=V=128 at BV 64), none at H=32 or K=256 V=512 H=6 (BV 32).
+  cfg = pk.FwdConfig()
+  assert [pk._piece_length(cfg, 16, 128, 128, m) for m in (1, 2, 3)] == [32, 64, 96]
+  assert pk._piece_length(cfg, 32, 128, 128, 2) == 0
+  assert pk._piece_length(cfg, 6, 256, 512, 2) == 0
+  assert pk._piece_length(cfg._replace(h_piece=5), 32, 128, 128, 2) == 5
 
 
 @pytest.mark.slow
