@@ -15,6 +15,10 @@ kernels the variants touch beside the default's.
 Usage (GPU, repository root on PYTHONPATH):
   python3 benchmarks/train_profile.py [--rows 0,4] [--variant o_loop_k=1,o_warps=8] [--top 16]
   python3 benchmarks/train_profile.py --smoke --variant o_loop_k=1   # CPU: interpreter, tiny rows
+  python3 benchmarks/train_profile.py --dtype float32 --variant f32_precision=tf32x3
+
+--dtype float32 casts the bf16 inputs to float32; there f32_precision (the dots' precision,
+docs/performance.md "Compile time") is set for the forward rule's kernels too.
 """
 from __future__ import annotations
 
@@ -31,7 +35,8 @@ BWD_KERNELS = ("chunk_dv_local", "chunk_h_bwd", "chunk_o_bwd", "chunk_wy_bwd", "
 
 
 def parse_variant(text: str) -> dict:
-  """"o_bk=128,o_warps=8" -> {"o_bk": 128, "o_warps": 8}; names checked against BwdConfig."""
+  """"o_bk=128,o_warps=8" -> {"o_bk": 128, "o_warps": 8}; names checked against BwdConfig;
+  values are ints, or strings where they are not digits."""
   from gdp_jax import _prefill_bwd
   out = {}
   for kv in filter(None, text.split(",")):
@@ -39,7 +44,7 @@ def parse_variant(text: str) -> dict:
     if name not in _prefill_bwd.BwdConfig._fields:
       raise SystemExit(f"--variant: {name!r} is not a BwdConfig field "
                        f"({', '.join(_prefill_bwd.BwdConfig._fields)})")
-    out[name] = int(value)
+    out[name] = int(value) if value.lstrip("-").isdigit() else value  # f32_precision=tf32x3
   return out
 
 
@@ -65,12 +70,15 @@ def main():
   p.add_argument("--smoke", action="store_true",
                  help="CPU: the interpreter on train.py's smoke rows (checks the script, times "
                       "nothing of interest)")
+  p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"),
+                 help="of q, k, v, beta and the output cotangent (g stays float32)")
   args = p.parse_args()
   common.setup_env(cpu_smoke=args.smoke)
   import jax
   import jax.numpy as jnp
   common.fix_triton_cache()
   from gdp_jax import _prefill_bwd
+  from gdp_jax import _prefill_kernels as pk
   variants = [parse_variant(v) for v in args.variant + args.variants.split(";") if v]
   backend = "interpret" if args.smoke else "triton"
   calls = 1 if args.smoke else 3
@@ -79,14 +87,17 @@ def main():
     r = rows[i]
     K, M = r["K"], r["M"]
     h = train.host_inputs(r, common.row_seed(r))
-    x = {n: jnp.asarray(h[n]) for n in ("q", "k", "v", "g", "beta")}
-    do = jnp.asarray(h["do"])
+    dt = jnp.dtype(args.dtype)
+    x = {n: jnp.asarray(h[n]) if n == "g" else jnp.asarray(h[n]).astype(dt)
+         for n in ("q", "k", "v", "g", "beta")}
+    do = jnp.asarray(h["do"]).astype(dt)
     cu = jnp.asarray(h["cu_seqlens"]) if "cu_seqlens" in h else None
 
     def step_under(cfg):
       """The jitted value_and_grad of <o, do> with the backward under cfg (the training path
       that the public entry point takes, with an explicit config)."""
-      static = _prefill_bwd._Static(M, K ** -0.5, False, True, backend, cfg)
+      static = _prefill_bwd._Static(M, K ** -0.5, False, True, backend, cfg,
+                                    pk.FwdConfig(f32_precision=cfg.f32_precision))
 
       def loss(x):
         o, _ = _prefill_bwd._prefill(x["q"], x["k"], x["v"], x["g"], x["beta"], None, cu,
@@ -108,7 +119,8 @@ def main():
       except Exception as e:  # a variant that does not compile or fit: report, go on
         print(f"\n-- {name} row {i}: {type(e).__name__}: {str(e)[:300]}")
         continue
-      common.print_profile(f"{name} row {i} {r}: {ms:.3f} ms", prof, per=calls, top=args.top)
+      common.print_profile(f"{name} row {i} {r} {args.dtype}: {ms:.3f} ms", prof, per=calls,
+                           top=args.top)
       errs = ""
       if var is not None:
         grads = out[1]

@@ -98,6 +98,9 @@ class BwdConfig(NamedTuple):
   # With HV == H, chunk_wy_bwd finishes dk (norm backward, cast, zero tail) instead of writing
   # float32 rows for qk_bwd (0: the qk_bwd path, kept to time the two against each other).
   finish_dk: int = 1
+  # The dots on float32 inputs, as FwdConfig.f32_precision ("ieee" or "tf32x3"); the forward
+  # rule's kernels take _Static.fwd_config's.
+  f32_precision: str = "ieee"
 
 
 class _Static(NamedTuple):
@@ -213,7 +216,8 @@ def _backward(q, k, v, g, beta, initial_state, cu_seqlens, res, do, dht, static)
   B, T, H, K = q.shape
   HV, V = v.shape[2], v.shape[3]
   dtype = k.dtype
-  prec = pk._dot_precision(dtype)
+  cfg = static.config
+  prec = pk._dot_precision(dtype, cfg.f32_precision)
   TT, R = B * T, B * T * M
 
   kp = k.reshape(R, H, K)
@@ -233,7 +237,6 @@ def _backward(q, k, v, g, beta, initial_state, cu_seqlens, res, do, dht, static)
   ph = _launch.placeholder
   f32 = jnp.float32
   use_g = gx is not None
-  cfg = static.config
   bv = min(_h_block_v(cfg, K), max(16, 1 << (V - 1).bit_length()))
   nv = -(-V // bv)
   pieces = _h_pieces(cfg, N * HV * nv)

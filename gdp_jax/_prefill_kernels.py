@@ -40,6 +40,7 @@ import numpy as np
 
 from gdp_jax import _launch
 from gdp_jax._common import BT, chunk_descriptors, chunk_offsets, descriptors_from_offsets
+from gdp_jax._configs import _next_pow2
 
 
 class FwdConfig(NamedTuple):
@@ -54,6 +55,8 @@ class FwdConfig(NamedTuple):
   against the previous one's output.
   """
   # Stage 2: 2 warps and a 128-wide K slice: 0.341 against 0.369 ms (4 warps, 64) at B=8 H=32.
+  # kkt_bk, o_bk and o_bv are the widest tiles: a K or V below them takes its next power of
+  # two (_block).
   kkt_bk: int = 128
   kkt_warps: int = 2
   # Stage 3: one warp. The substitution is a chain of 14 row updates, each a reduction over a
@@ -64,10 +67,16 @@ class FwdConfig(NamedTuple):
   # Its off-diagonal 16x16 products on 16-bit inputs: "tf32x3" (tensor cores, three TF32
   # products per float32 product: float32-level accuracy, as docs/algorithm.md 4.5 asks), "ieee"
   # (float32 on the CUDA cores) or "tf32" (one TF32 product: faster, 2.7e-4 relative change of
-  # the bf16-stored Ai). Float32 inputs always take "ieee". H200 (stage sweep, 2026-11-30):
+  # the bf16-stored Ai). Float32 inputs take f32_precision. H200 (stage sweep, 2026-11-30):
   # 0.702 / 0.786 / 0.531 ms at B=8 T=4096 H=32 and 0.100 / 0.114 / 0.079 ms at B=1 T=8192;
   # ptxas: tf32x3 at one warp has no spills where ieee spills 840 B.
   solve_precision: str = "tf32x3"
+  # Every dot of every kernel (the solve's and the chain's included) on float32 inputs: "ieee"
+  # (exact float32 products on the CUDA cores, which Triton unrolls into FMA loops: up to
+  # minutes of compilation per kernel, docs/performance.md "Compile time") or "tf32x3" (three
+  # TF32 tensor-core products, float32-level accuracy, docs/algorithm.md §4.5). BwdConfig has
+  # the same field.
+  f32_precision: str = "ieee"
   # Stage 5 (with stage 4 inside): 4 warps, 3 stages (the next chunk's tiles load while this
   # one computes): 0.115 against 0.199 ms (8 warps, 2 stages) at B=4 H=16, 0.94 against 1.44 ms
   # at B=8 H=32, 0.41 against 0.63 ms at K=256. BV 64 when the state fits (K up to 128: two
@@ -88,7 +97,7 @@ class FwdConfig(NamedTuple):
   h_piece: int = -1
   h_split_programs: int = 32
   # The chain's float32 products M_p S + E_p on 16-bit inputs ("tf32x3": three TF32 products on
-  # the tensor cores, float32-level accuracy; float32 inputs always take "ieee").
+  # the tensor cores, float32-level accuracy; float32 inputs take f32_precision).
   h_chain_precision: str = "tf32x3"
   h_warps: int = 4
   h_stages: int = 3
@@ -216,19 +225,23 @@ def _pieces(B: int, T: int, M: int, cu_seqlens, length: int) -> _Pieces:
   return _Pieces(length, descriptors_from_offsets(offsets, n_x // length + N), offsets, True)
 
 
-def _chain_precision(cfg: FwdConfig, dtype) -> str:
-  return "ieee" if jnp.dtype(dtype) == jnp.float32 else cfg.h_chain_precision
+def _block(size: int, width: int) -> int:
+  """A tile's extent along a K or V axis of `size`: the config's `width`, or the next power of
+  two of `size` (at least 16, tl.dot's smallest) when that is narrower. Masked columns past the
+  size still cost their products, and on float32 inputs ("ieee": FMA loops unrolled in full)
+  their compilation time (docs/performance.md "Compile time")."""
+  return min(width, max(16, _next_pow2(size)))
 
 
-def _solve_precision(cfg: FwdConfig, dtype) -> str:
-  # The solve's products: float32 outputs (the reference-precision path) take exact ones.
-  return "ieee" if jnp.dtype(dtype) == jnp.float32 else cfg.solve_precision
+F32_PRECISIONS = ("ieee", "tf32x3")
 
 
-def _dot_precision(dtype) -> str:
-  # float32 inputs (interpret mode, references) need full-precision dots; 16-bit inputs take
-  # the tensor-core default, which is what "tf32" names for them.
-  return "ieee" if jnp.dtype(dtype) == jnp.float32 else "tf32"
+def _dot_precision(dtype, f32_precision: str, precision16: str = "tf32") -> str:
+  """A kernel's DOT_PRECISION: float32 inputs take `f32_precision` (a config's field), 16-bit
+  inputs `precision16`; for them "tf32" names the tensor-core default."""
+  if f32_precision not in F32_PRECISIONS:
+    raise ValueError(f"f32_precision must be one of {F32_PRECISIONS}, got {f32_precision!r}")
+  return f32_precision if jnp.dtype(dtype) == jnp.float32 else precision16
 
 
 def _opt(x, dtype=jnp.float32):
@@ -253,9 +266,9 @@ def _kkt_launch(k, beta, g, cu, desc, *, HV, M, l2norm, config: FwdConfig,
        _f32(TM, H) if l2norm else _f32(1),
        jax.ShapeDtypeStruct((TM, H, K), k.dtype) if store_kn else _f32(1)),
       grid=(desc.shape[0], HV), num_warps=config.kkt_warps,
-      constexprs=dict(H=H, HV=HV, K=K, M=M, BT=BT, BK=config.kkt_bk, USE_G=g is not None,
-                      USE_RNORM=l2norm, STORE_KN=store_kn,
-                      DOT_PRECISION=_dot_precision(k.dtype)))
+      constexprs=dict(H=H, HV=HV, K=K, M=M, BT=BT, BK=_block(K, config.kkt_bk),
+                      USE_G=g is not None, USE_RNORM=l2norm, STORE_KN=store_kn,
+                      DOT_PRECISION=_dot_precision(k.dtype, config.f32_precision)))
 
 
 def _kkt(k, beta, g, cu, desc, *, HV, M, backend, l2norm=False, config=FwdConfig()):
@@ -277,7 +290,8 @@ def _solve_launch(A, cu, desc, *, M, dtype, config: FwdConfig) -> KernelCall:
       "chunk_solve.chunk_solve_fwd_kernel", (A, cu, desc),
       (jax.ShapeDtypeStruct((TM, HV, BT), dtype),),
       grid=(desc.shape[0], HV), num_warps=config.solve_warps,
-      constexprs=dict(HV=HV, M=M, BT=BT, DOT_PRECISION=_solve_precision(config, dtype)))
+      constexprs=dict(HV=HV, M=M, BT=BT, DOT_PRECISION=_dot_precision(
+          dtype, config.f32_precision, config.solve_precision)))
 
 
 def _solve(A, cu, desc, *, M, dtype, backend, config=FwdConfig()):
@@ -330,7 +344,8 @@ def _scan_launch(k, v, beta, Ai, gx, cu, offsets, n_rows, *, M, h0, state_indice
           H=H, HV=HV, K=K, V=V, M=M, BT=BT, BV=bv, USE_G=gx is not None,
           USE_INITIAL_STATE=h0 is not None, STORE_FINAL_STATE=final_kind != "none",
           HAS_STATE_INDICES=state_indices is not None, STORE_SNAPSHOT=snap_dtype is not None,
-          USE_RNORM=rk is not None, SUMMARY=summary, DOT_PRECISION=_dot_precision(k.dtype)))
+          USE_RNORM=rk is not None, SUMMARY=summary,
+          DOT_PRECISION=_dot_precision(k.dtype, config.f32_precision)))
 
 
 def _chain_launch(h0, state_indices, cu, summary, *, M, V, dtype, config: FwdConfig,
@@ -349,7 +364,8 @@ def _chain_launch(h0, state_indices, cu, summary, *, M, V, dtype, config: FwdCon
       num_stages=1,
       constexprs=dict(HV=HV, K=K, V=V, M=M, BT=BT, BV=bv, USE_INITIAL_STATE=h0 is not None,
                       HAS_STATE_INDICES=state_indices is not None,
-                      DOT_PRECISION=_chain_precision(config, dtype)))
+                      DOT_PRECISION=_dot_precision(dtype, config.f32_precision,
+                                                   config.h_chain_precision)))
 
 
 def _scan(k, v, beta, Ai, gx, cu, offsets, n_rows, *, M, h0, state_indices, final_kind,
@@ -403,18 +419,20 @@ def _output_launch(q, k, v_new, h, g, state_indices, S, cu, desc, *, M, scale, o
   T, H, K = q.shape
   _, HV, V = v_new.shape
   store_qn = store_qn and rk is not None
+  bk, bv = _block(K, config.o_bk), _block(V, config.o_bv)
   return KernelCall(
       "chunk_o.chunk_o_fwd_kernel",
       (q, k, v_new, h, _opt(h_offsets, jnp.int32), _opt(g), _opt(rk),
        _opt(state_indices, jnp.int32), cu, desc, S, float(scale)),
       (jax.ShapeDtypeStruct((T, HV, V), out_dtype),
        jax.ShapeDtypeStruct((T, H, K), q.dtype) if store_qn else _f32(1)),
-      grid=(desc.shape[0], -(-V // config.o_bv), HV), num_warps=config.o_warps,
+      grid=(desc.shape[0], -(-V // bv), HV), num_warps=config.o_warps,
       num_stages=config.o_stages,
-      constexprs=dict(H=H, HV=HV, K=K, V=V, M=M, BT=BT, BK=config.o_bk, BV=config.o_bv,
-                      H_PER_CHUNK=M if h_offsets is not None else 1, USE_G=g is not None, HAS_STATE_INDICES=state_indices is not None,
-                      USE_RNORM=rk is not None, STORE_QN=store_qn,
-                      DOT_PRECISION=_dot_precision(q.dtype)))
+      constexprs=dict(H=H, HV=HV, K=K, V=V, M=M, BT=BT, BK=bk, BV=bv,
+                      H_PER_CHUNK=M if h_offsets is not None else 1, USE_G=g is not None,
+                      HAS_STATE_INDICES=state_indices is not None, USE_RNORM=rk is not None,
+                      STORE_QN=store_qn,
+                      DOT_PRECISION=_dot_precision(q.dtype, config.f32_precision)))
 
 
 def _output(q, k, v_new, h, g, state_indices, S, cu, desc, *, M, scale, out_dtype, backend,

@@ -152,10 +152,49 @@ def test_prefill(c):
   check_prefill(c, KERNEL_BACKEND)
 
 
+# The float32 cases again under three TF32 tensor-core products per dot (FwdConfig's
+# f32_precision; docs/algorithm.md §4.5), within the same float32 tolerances.
+TF32X3 = pk.FwdConfig(f32_precision="tf32x3")
+GPU_CONFIGS = ([pytest.param(c, None, id=c.id) for c in GPU_CASES]
+               + [pytest.param(c, TF32X3, id=f"{c.id}-tf32x3") for c in GPU_CASES
+                  if c.dtype == "float32"])
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("c", GPU_CASES, ids=lambda c: c.id)
-def test_prefill_gpu(c):
-  check_prefill(c, "triton", seed=1)
+@pytest.mark.parametrize("c,config", GPU_CONFIGS)
+def test_prefill_gpu(c, config):
+  check_prefill(c, "triton", seed=1, config=config)
+
+
+def test_f32_precision_is_checked():
+  """Only the float32-level precisions: one TF32 product ("tf32") rounds operands to 10 bits."""
+  c = Case(T=10, HV=1, K=16, V=16, M=1)
+  a, kw = prefill_inputs(c, 0)
+  with pytest.raises(ValueError, match="f32_precision must be one of"):
+    forward_with(pk.FwdConfig(f32_precision="tf32"), a, kw, KERNEL_BACKEND)
+
+
+def test_small_heads_take_narrow_tiles():
+  """kkt's and the output stage's K and V tiles: the next power of two of a K or V below the
+  config's width (at least 16), the config's width from 128 up, so the tuned big-shape launches
+  stay as they were. Test cases with K, V < 128 (CASES above) check the narrow tiles against the
+  reference."""
+  cfg = pk.FwdConfig()
+  assert [pk._block(n, 128) for n in (8, 16, 17, 32, 100, 128, 256, 512)] == [
+      16, 16, 32, 32, 128, 128, 128, 128]
+  sds = jax.ShapeDtypeStruct
+  for K, V, bk, bv in ((32, 16, 32, 16), (100, 80, 128, 128), (128, 128, 128, 128),
+                       (256, 512, 128, 128)):
+    T, H, M = 70, 1, 2
+    q, v_new = sds((T, H, K), jnp.float32), sds((T * M, H, V), jnp.float32)
+    cu, desc = sds((2,), jnp.int32), sds((2, 2), jnp.int32)
+    o = pk._output_launch(q, sds((T * M, H, K), jnp.float32), v_new,
+                          sds((2, H, K, V), jnp.float32), None, None, 1, cu, desc, M=M,
+                          scale=1.0, out_dtype=jnp.float32, rk=None, config=cfg)
+    assert (o.constexprs["BK"], o.constexprs["BV"], o.grid[1]) == (bk, bv, -(-V // bv)), (K, V)
+    kkt = pk._kkt_launch(sds((T * M, H, K), jnp.float32), sds((T * M, H), jnp.float32), None,
+                         cu, desc, HV=H, M=M, l2norm=False, config=cfg)
+    assert kkt.constexprs["BK"] == bk, K
 
 
 @pytest.mark.gpu

@@ -54,6 +54,10 @@ O_VARIANTS = [dict(o_bk=128, o_warps=8), dict(o_bv=128), dict(o_loop_k=True),
               dict(o_loop_k=True, o_warps=8), dict(o_loop_k=True, o_bv=128)]
 CASES += [("train", "bfloat16", 128, 128, 16, v) for v in O_VARIANTS]
 CASES += [("train", "bfloat16", 256, 512, 2, v) for v in O_VARIANTS[2:3] + O_VARIANTS[4:]]
+# float32 under three TF32 tensor-core products per dot (f32_precision, the forward rule's too):
+# tensor-core operand tiles in shared memory instead of the FMA loops' (chunk_o: 229376 B at
+# K=256 V=512).
+CASES += [("train", "float32", 256, 512, n, dict(f32_precision="tf32x3")) for n in (2, 1)]
 
 
 def _record_launches(what, dtype, K, V, N, bwd=None):
@@ -63,6 +67,7 @@ def _record_launches(what, dtype, K, V, N, bwd=None):
   import jax.numpy as jnp
   import gdp_jax
   from gdp_jax import _backends, _configs, _launch_jax_triton, _launch_spec, _prefill_bwd
+  from gdp_jax import _prefill_kernels as pk
 
   launches = []
 
@@ -100,8 +105,9 @@ def _record_launches(what, dtype, K, V, N, bwd=None):
             q, k, v, g, beta, num_householder=M, initial_state=h0, output_final_state=True,
             use_qk_l2norm_in_kernel=True, backend="triton")
       else:
-        static = _prefill_bwd._Static(M, K ** -0.5, True, True, "triton",
-                                      _prefill_bwd.BwdConfig(**bwd))
+        cfg = _prefill_bwd.BwdConfig(**bwd)
+        static = _prefill_bwd._Static(M, K ** -0.5, True, True, "triton", cfg,
+                                      pk.FwdConfig(f32_precision=cfg.f32_precision))
         o, ht = _prefill_bwd._prefill(q, k, v, g, beta, h0, None, static)
       return jnp.sum(o.astype(f32)) + jnp.sum(ht)
 
@@ -200,29 +206,39 @@ def _resource_usage(triton, cubin):
   return int(m.group(1)), int(m.group(2))
 
 
-def main():
+def _cpu_seconds():
+  """This process's CPU time and its finished children's (ptxas runs as one)."""
+  import resource
+  import time
+  kids = resource.getrusage(resource.RUSAGE_CHILDREN)
+  return time.process_time() + kids.ru_utime + kids.ru_stime
+
+
+def main(cases=CASES):
   import triton
   from triton.backends.compiler import GPUTarget
   from triton.compiler import ASTSource
   seen, report = set(), []
   verbose = os.environ.get("GDP_SM90_REPORT") == "1"  # print registers and spills too
-  for case in CASES:
+  for case in cases:
     for fn, args, out_shape, warps, stages, constexprs in _record_launches(*case):
       sig, consts, attrs = _signature(fn, args, out_shape, constexprs)
       key = (fn.__name__, tuple(sig.items()), tuple(sorted(consts.items())), warps, stages)
       if key in seen:
         continue
       seen.add(key)
+      t0 = _cpu_seconds()  # compile time: CPU, not wall (the development host is shared)
       kernel = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs),
                               target=GPUTarget("cuda", 90, 32),
                               options=dict(num_warps=warps, num_stages=stages))
+      cpu_s = round(_cpu_seconds() - t0, 2)
       regs, stack = _resource_usage(triton, kernel.asm["cubin"])
       report.append(dict(case=list(case), kernel=fn.__name__, num_warps=warps,
                          num_stages=stages, shared=kernel.metadata.shared, regs=regs,
-                         stack=stack))
+                         stack=stack, compile_cpu_s=cpu_s))
       if verbose:
         print(case, fn.__name__, warps, stages, "shared", kernel.metadata.shared, "regs", regs,
-              "stack", stack, file=sys.stderr)
+              "stack", stack, "compile CPU s", cpu_s, file=sys.stderr)
   print(json.dumps(report))
 
 
@@ -251,5 +267,15 @@ def test_every_launch_fits_sm90_shared_memory():
   assert not spills, f"the decode kernel spills: {spills}"
 
 
+def _parse_case(text):
+  """"train,float32,128,128,16[,f32_precision=tf32x3,...]" as a CASES entry."""
+  what, dtype, *sizes = text.split(",")
+  nums = [int(x) for x in sizes if "=" not in x]
+  over = dict(x.split("=", 1) for x in sizes if "=" in x)
+  return (what, dtype, *nums) + ((over,) if over else ())
+
+
 if __name__ == "__main__":
-  main()
+  # Without arguments every case of CASES; with arguments the cases they name, e.g.
+  # train,float32,128,128,16,f32_precision=tf32x3 (time compiles with an empty TRITON_CACHE_DIR).
+  main([_parse_case(a) for a in sys.argv[1:]] or CASES)

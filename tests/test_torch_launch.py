@@ -119,10 +119,10 @@ def test_prefill_kkt_same_bits_from_torch_and_jax(backend):
   chunk_kkt_fwd_kernel[(desc.shape[0], HV)](
       tt(k, torch.bfloat16), tt(beta, torch.bfloat16), tt(g, torch.float32),
       tt(cu, torch.int32), tt(desc, torch.int32), A, gx, rk, kn,
-      H=H, HV=HV, K=K, M=M, BT=64, BK=pk.FwdConfig().kkt_bk, USE_G=True, USE_RNORM=True,
-      STORE_KN=False,
-      DOT_PRECISION=pk._dot_precision(jnp.bfloat16), num_warps=pk.FwdConfig().kkt_warps,
-      num_stages=2)  # _launch.call's default
+      H=H, HV=HV, K=K, M=M, BT=64, BK=pk._block(K, pk.FwdConfig().kkt_bk), USE_G=True,
+      USE_RNORM=True, STORE_KN=False,
+      DOT_PRECISION=pk._dot_precision(jnp.bfloat16, pk.FwdConfig().f32_precision),
+      num_warps=pk.FwdConfig().kkt_warps, num_stages=2)  # _launch.call's default
   if GPU:
     torch.cuda.synchronize()
   for name, a, b in (("A", A_jax, A), ("Gx", gx_jax, gx), ("rk", rk_jax, rk)):
