@@ -13,8 +13,8 @@ so expect about 1e-3, not 0). A closing table puts each run's step time and its 
 kernels the variants touch beside the default's.
 
 Usage (GPU, repository root on PYTHONPATH):
-  python3 benchmarks/train_profile.py [--rows 0,4] [--variant o_loop_k=1,o_warps=8] [--top 16]
-  python3 benchmarks/train_profile.py --smoke --variant o_loop_k=1   # CPU: interpreter, tiny rows
+  python3 benchmarks/train_profile.py [--rows 0,4] [--variant o_bk=128,o_warps=8] [--top 16]
+  python3 benchmarks/train_profile.py --smoke --variant o_bk=128   # CPU: interpreter, tiny rows
   python3 benchmarks/train_profile.py --dtype float32 --variant f32_precision=tf32x3
 
 --dtype float32 casts the bf16 inputs to float32; there f32_precision (the dots' precision,

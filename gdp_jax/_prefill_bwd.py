@@ -79,14 +79,12 @@ class BwdConfig(NamedTuple):
   h_split_min_programs: int = 66
   h_split_programs: int = 256
   h_split_max: int = 8
-  # chunk_o_bwd: o_bk columns of K per block, the V loop in steps of o_bv; o_loop_k: one program
-  # per (chunk, value head) walks every K block after forming dP once, where the default grid
-  # has a program per K block, each forming dP and reading do~, V' and dV' itself. The
-  # alternatives are built and exact in the interpreter, not yet timed (docs/performance.md);
-  # o_loop_k with o_bv=128 does not fit an sm_90 block's shared memory in float32.
+  # chunk_o_bwd: o_bk columns of K per program, the V loop in steps of o_bv. At row 0 o_bk=128
+  # with 8 warps tied (410.5 us against 413.8) and o_bv=128 lost (439.2); one program per
+  # (chunk, value head) walking every K block after forming dP once lost too (533.6 us at 4
+  # warps, 577.6 at 8) and is gone (docs/performance.md, Training).
   o_bk: int = 64
   o_bv: int = 64
-  o_loop_k: bool = False
   o_warps: int = 4
   o_stages: int = 2
   wy_warps: int = 4
@@ -284,13 +282,13 @@ def _backward(q, k, v, g, beta, initial_state, cu_seqlens, res, do, dht, static)
   dq_v, dk_o, dw, dg_k = _launch.call(
       "chunk_o_bwd.chunk_o_bwd_kernel", qn, kn, v_new, h_x, do_t, dh, dvp,
       gx if use_g else ph(), cu, desc_x, float(static.scale),
-      grid=(desc_x.shape[0], HV, 1 if cfg.o_loop_k else nk),
+      grid=(desc_x.shape[0], HV, nk),
       out_shape=[jax.ShapeDtypeStruct((TT, HV, K), f32), jax.ShapeDtypeStruct((R, HV, K), f32),
                  jax.ShapeDtypeStruct((R, HV, K), dtype),
                  jax.ShapeDtypeStruct((R, HV, nk) if use_g else (1,), f32)],
       backend=backend, num_warps=cfg.o_warps, num_stages=cfg.o_stages,
-      H=H, HV=HV, K=K, V=V, M=M, BT=BT, BK=cfg.o_bk, BV=cfg.o_bv, NK=nk,
-      KP=1 << (K - 1).bit_length(), LOOP_K=bool(cfg.o_loop_k), USE_G=use_g, DOT_PRECISION=prec)
+      H=H, HV=HV, K=K, V=V, M=M, BT=BT, BK=cfg.o_bk, BV=cfg.o_bv, NK=nk, USE_G=use_g,
+      DOT_PRECISION=prec)
 
   # Without value heads to sum (HV == H), chunk_wy_bwd finishes dk in k's dtype; otherwise it
   # leaves float32 rows per value head for qk_bwd. With cu_seqlens it writes the zero rows past

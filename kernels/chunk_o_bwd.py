@@ -21,17 +21,14 @@ Two patterns that Triton 3.4 to 3.7.0 miscompiles on Hopper are avoided: a tl.tr
 result fed to another dot (FLA #640), so dP^T is its own product (V' do~^T) rather than the
 transpose of dP; and a loaded tile that feeds both a dot and a register reduction in one
 pipelined loop (docs/algorithm.md §4.2), so <S, dS> is the trace of the product dS S^T
-accumulated beside the others (with LOOP_K: a sum over tiles of S and dS loaded for it alone in
-the dP loop, whose dots read only do~ and V'). Transposed operands are transposes of loaded
-tiles.
+accumulated beside the others. Transposed operands are transposes of loaded tiles.
 
 Grid: (expanded-chunk descriptors, HV, NK = ceil(K / BK)). Program (i_d, i_hv, i_k) owns BK
-columns of K of one chunk and value head and loops over V in steps of BV. With LOOP_K the grid is
-(descriptors, HV, 1): one program forms dP and dP^T once in a first V loop, then walks the NK K
-blocks, each with a V loop of its own, rereading do~, V' and dV' while they are in the cache (the
-K-split grid's programs of one chunk run far apart, and each forms dP itself). dG goes out per K
-block and is summed by chunk_wy_bwd. Rows past the sequence end are neither read nor written; dq~
-goes out on the token stream (the last copies only: every other row of dq~ is zero).
+columns of K of one chunk and value head and loops over V in steps of BV; each forms dP itself
+(one program per chunk and head walking the K blocks lost on the H200: docs/performance.md,
+Training). dG goes out per K block and is summed by chunk_wy_bwd. Rows past the sequence end
+are neither read nor written; dq~ goes out on the token stream (the last copies only: every
+other row of dq~ is zero).
 
 Parameter order: inputs, outputs, constexprs.
 """
@@ -69,10 +66,8 @@ def chunk_o_bwd_kernel(
     BT: tl.constexpr,
     BK: tl.constexpr,
     BV: tl.constexpr,
-    NK: tl.constexpr,  # ceil(K / BK): the grid's third axis, or the K blocks one program walks
-    KP: tl.constexpr,  # K rounded up to a power of two
+    NK: tl.constexpr,  # ceil(K / BK): the grid's third axis
     # flags
-    LOOP_K: tl.constexpr,
     USE_G: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
@@ -91,94 +86,41 @@ def chunk_o_bwd_kernel(
   tok = row // M
   mask_q = mask_r & (row % M == M - 1)
   tok_v = tok * (HV * V) + i_hv * V
-
-  if LOOP_K:
-    # dP and dP^T once per chunk and head, with <S, dS> from tiles of S and dS that feed no dot,
-    # then every K block in turn: the second reads of do~ and V' come from the cache, not from
-    # memory as the K-split grid's do.
-    b_dp = tl.zeros([BT, BT], dtype=tl.float32)
-    b_dpt = tl.zeros([BT, BT], dtype=tl.float32)
-    b_sds = 0.
-    o_kp = tl.arange(0, KP)
-    for i_v in range(tl.cdiv(V, BV)):
-      o_v = i_v * BV + tl.arange(0, BV)
-      mask_v = o_v < V
-      b_do = tl.load(do + tok_v[:, None] + o_v[None, :],
-                     mask=mask_q[:, None] & mask_v[None, :], other=0.).to(dt)
-      b_vn = tl.load(v_new + row_v[:, None] + o_v[None, :],
-                     mask=mask_r[:, None] & mask_v[None, :], other=0.).to(dt)
-      b_dp += tl.dot(b_do, tl.trans(b_vn), input_precision=DOT_PRECISION)
-      b_dpt += tl.dot(b_vn, tl.trans(b_do), input_precision=DOT_PRECISION)
-      if USE_G:
-        m_kv = (o_kp < K)[:, None] & mask_v[None, :]
-        b_s = tl.load(p_h + o_kp[:, None] * V + o_v[None, :], mask=m_kv, other=0.)
-        b_ds = tl.load(p_dh + o_kp[:, None] * V + o_v[None, :], mask=m_kv, other=0.)
-        b_sds += tl.sum(tl.sum(b_s.to(tl.float32) * b_ds.to(tl.float32), 1), 0)
-    b_dp, b_dpt, b_gam, b_kdec, b_g_last = _decayed_dp(
-        b_dp, b_dpt, g_cum, row0, n, i_hv, HV, BT, USE_G)
-    # A loop holding a loop is not pipelined: q and k are plain loads here, as in the K-split
-    # grid, and a static_range (unrolled) spilled twice as much (sm_90 compile).
-    for i_k in range(NK):
-      o_k = i_k * BK + tl.arange(0, BK)
-      mask_k = o_k < K
-      b_dqi = tl.zeros([BT, BK], dtype=tl.float32)
-      b_dks = tl.zeros([BT, BK], dtype=tl.float32)
-      b_dw = tl.zeros([BT, BK], dtype=tl.float32)
-      for i_v in range(tl.cdiv(V, BV)):
-        o_v = i_v * BV + tl.arange(0, BV)
-        mask_v = o_v < V
-        m_rv = mask_r[:, None] & mask_v[None, :]
-        m_kv = mask_k[:, None] & mask_v[None, :]
-        b_do = tl.load(do + tok_v[:, None] + o_v[None, :],
-                       mask=mask_q[:, None] & mask_v[None, :], other=0.).to(dt)
-        b_vn = tl.load(v_new + row_v[:, None] + o_v[None, :], mask=m_rv, other=0.).to(dt)
-        b_dv = tl.load(dv + row_v[:, None] + o_v[None, :], mask=m_rv, other=0.).to(dt)
-        b_h = tl.load(p_h + o_k[:, None] * V + o_v[None, :], mask=m_kv, other=0.).to(dt)
-        b_dh = tl.load(p_dh + o_k[:, None] * V + o_v[None, :], mask=m_kv, other=0.).to(dt)
-        b_ht = tl.trans(b_h)
-        b_dqi += tl.dot(b_do, b_ht, input_precision=DOT_PRECISION)
-        b_dks += tl.dot(b_vn, tl.trans(b_dh), input_precision=DOT_PRECISION)
-        b_dw += tl.dot(b_dv, b_ht, input_precision=DOT_PRECISION)
-      # <S, dS> spans every column of K: it goes into K block 0's dG alone.
-      _store_k_block(q, k, dq, dk, dw, dg, b_dp, b_dpt, b_dqi, b_dks, b_dw,
-                     tl.where(i_k == 0, b_sds, 0.), b_gam, b_kdec, b_g_last, scale, row0, n, tok,
-                     mask_q, i_h, i_hv, i_k, H, HV, K, BT, BK, NK, USE_G, DOT_PRECISION)
-  else:
-    i_k = tl.program_id(2)
-    o_k = i_k * BK + tl.arange(0, BK)
-    mask_k = o_k < K
-    b_dqi = tl.zeros([BT, BK], dtype=tl.float32)
-    b_dp = tl.zeros([BT, BT], dtype=tl.float32)
-    b_dpt = tl.zeros([BT, BT], dtype=tl.float32)
-    b_dks = tl.zeros([BT, BK], dtype=tl.float32)
-    b_dw = tl.zeros([BT, BK], dtype=tl.float32)
-    b_sds = tl.zeros([BK, BK], dtype=tl.float32)
-    for i_v in range(tl.cdiv(V, BV)):
-      o_v = i_v * BV + tl.arange(0, BV)
-      mask_v = o_v < V
-      m_rv = mask_r[:, None] & mask_v[None, :]
-      m_kv = mask_k[:, None] & mask_v[None, :]
-      b_do = tl.load(do + tok_v[:, None] + o_v[None, :], mask=mask_q[:, None] & mask_v[None, :],
-                     other=0.).to(dt)
-      b_vn = tl.load(v_new + row_v[:, None] + o_v[None, :], mask=m_rv, other=0.).to(dt)
-      b_dv = tl.load(dv + row_v[:, None] + o_v[None, :], mask=m_rv, other=0.).to(dt)
-      b_h = tl.load(p_h + o_k[:, None] * V + o_v[None, :], mask=m_kv, other=0.).to(dt)    # S
-      b_dh = tl.load(p_dh + o_k[:, None] * V + o_v[None, :], mask=m_kv, other=0.).to(dt)  # dS
-      b_ht = tl.trans(b_h)
-      b_dqi += tl.dot(b_do, b_ht, input_precision=DOT_PRECISION)
-      b_dp += tl.dot(b_do, tl.trans(b_vn), input_precision=DOT_PRECISION)
-      b_dpt += tl.dot(b_vn, tl.trans(b_do), input_precision=DOT_PRECISION)
-      b_dks += tl.dot(b_vn, tl.trans(b_dh), input_precision=DOT_PRECISION)
-      b_dw += tl.dot(b_dv, b_ht, input_precision=DOT_PRECISION)
-      if USE_G:
-        b_sds += tl.dot(b_dh, b_ht, input_precision=DOT_PRECISION)
-    b_dp, b_dpt, b_gam, b_kdec, b_g_last = _decayed_dp(
-        b_dp, b_dpt, g_cum, row0, n, i_hv, HV, BT, USE_G)
-    o_kk = tl.arange(0, BK)
-    b_sds = tl.sum(tl.sum(tl.where(o_kk[:, None] == o_kk[None, :], b_sds, 0.), 1), 0)
-    _store_k_block(q, k, dq, dk, dw, dg, b_dp, b_dpt, b_dqi, b_dks, b_dw, b_sds, b_gam, b_kdec,
-                   b_g_last, scale, row0, n, tok, mask_q, i_h, i_hv, i_k,
-                   H, HV, K, BT, BK, NK, USE_G, DOT_PRECISION)
+  i_k = tl.program_id(2)
+  o_k = i_k * BK + tl.arange(0, BK)
+  mask_k = o_k < K
+  b_dqi = tl.zeros([BT, BK], dtype=tl.float32)
+  b_dp = tl.zeros([BT, BT], dtype=tl.float32)
+  b_dpt = tl.zeros([BT, BT], dtype=tl.float32)
+  b_dks = tl.zeros([BT, BK], dtype=tl.float32)
+  b_dw = tl.zeros([BT, BK], dtype=tl.float32)
+  b_sds = tl.zeros([BK, BK], dtype=tl.float32)
+  for i_v in range(tl.cdiv(V, BV)):
+    o_v = i_v * BV + tl.arange(0, BV)
+    mask_v = o_v < V
+    m_rv = mask_r[:, None] & mask_v[None, :]
+    m_kv = mask_k[:, None] & mask_v[None, :]
+    b_do = tl.load(do + tok_v[:, None] + o_v[None, :], mask=mask_q[:, None] & mask_v[None, :],
+                   other=0.).to(dt)
+    b_vn = tl.load(v_new + row_v[:, None] + o_v[None, :], mask=m_rv, other=0.).to(dt)
+    b_dv = tl.load(dv + row_v[:, None] + o_v[None, :], mask=m_rv, other=0.).to(dt)
+    b_h = tl.load(p_h + o_k[:, None] * V + o_v[None, :], mask=m_kv, other=0.).to(dt)    # S
+    b_dh = tl.load(p_dh + o_k[:, None] * V + o_v[None, :], mask=m_kv, other=0.).to(dt)  # dS
+    b_ht = tl.trans(b_h)
+    b_dqi += tl.dot(b_do, b_ht, input_precision=DOT_PRECISION)
+    b_dp += tl.dot(b_do, tl.trans(b_vn), input_precision=DOT_PRECISION)
+    b_dpt += tl.dot(b_vn, tl.trans(b_do), input_precision=DOT_PRECISION)
+    b_dks += tl.dot(b_vn, tl.trans(b_dh), input_precision=DOT_PRECISION)
+    b_dw += tl.dot(b_dv, b_ht, input_precision=DOT_PRECISION)
+    if USE_G:
+      b_sds += tl.dot(b_dh, b_ht, input_precision=DOT_PRECISION)
+  b_dp, b_dpt, b_gam, b_kdec, b_g_last = _decayed_dp(
+      b_dp, b_dpt, g_cum, row0, n, i_hv, HV, BT, USE_G)
+  o_kk = tl.arange(0, BK)
+  b_sds = tl.sum(tl.sum(tl.where(o_kk[:, None] == o_kk[None, :], b_sds, 0.), 1), 0)
+  _store_k_block(q, k, dq, dk, dw, dg, b_dp, b_dpt, b_dqi, b_dks, b_dw, b_sds, b_gam, b_kdec,
+                 b_g_last, scale, row0, n, tok, mask_q, i_h, i_hv, i_k,
+                 H, HV, K, BT, BK, NK, USE_G, DOT_PRECISION)
 
 
 @triton.jit
