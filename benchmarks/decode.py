@@ -33,11 +33,8 @@ $OUT/decode.json as soon as it exists, tables go to stdout):
    into the cache slot, write the checkpoint, run the D new tokens with outputs only) at
    N = 256, HV = 16, D in {1, 2, 4, 8}, random counts in 1..D, beside the `num_accepted` step
    (snapshots), the plain D = 1 step and fla-core's D-token step; checked bit for bit against
-   `commit_replay` followed by the plain step, and against the jnp reference. Beside each
-   shape, a row under the library's tile with the other replay path (`DecodeConfig.replay`:
-   the token loop "tokens" or the block form "block");
-   `--replay-configs 8x1x1,16x1x2xblock` adds rows under other kernel configs (BV x warps x
-   stages, optionally x replay path).
+   `commit_replay` followed by the plain step, and against the jnp reference. `--replay-configs
+   8x1x1,16x1x2` adds replay rows under other kernel configs (BV x warps x stages).
 6. A config sweep (BV x num_warps x num_stages through the decode entry point's `config`
    argument; --sweep-grid picks the grid, D too) at N = 256, 1, 8, HV = 16, D = 1, each config
    checked against
@@ -59,7 +56,6 @@ or fla, to prove the plumbing on a machine without a GPU (its times mean nothing
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import os
 import sys
 import time
@@ -461,19 +457,14 @@ class Bench:
     N, HV, D, S = row["N"], row["HV"], row["D"], row["S"]
     cfg = None
     if row.get("cfg"):
-      # "BVxWARPSxSTAGES[xREPLAY]", or a replay path alone under the library's tile.
-      parts = row["cfg"].split("x")
-      if len(parts) == 1:
-        cfg = dataclasses.replace(self.configs.decode_config(self.K, self.V), replay=parts[0])
-      else:
-        cfg = self.configs.DecodeConfig(*(int(a) for a in parts[:3]), *parts[3:])
+      BV, w, ns = (int(a) for a in row["cfg"].split("x"))
+      cfg = self.configs.DecodeConfig(BV=BV, num_warps=w, num_stages=ns)
     x, state, slots, ring, num = self.replay_inputs(N, HV, D, S, seed=N + D)
     xs = (x["q"], x["k"], x["v"], x["g"], x["beta"], slots)
     o, new_state, _ = self.replay_fn(config=cfg)(self.copy(state), tuple(map(self.copy, ring)),
                                                  *xs, num)
     live = slots[:CHECK_ROWS]
-    # Bitwise: the replay step is commit_replay followed by the plain step (same config; under
-    # replay="block" the outputs only to rounding, so same_bits may be False there).
+    # Bitwise: the replay step is commit_replay followed by the plain step (same config).
     committed = gdp_jax.commit_replay(state, ring, slots, num, steps_per_token=M,
                                       use_qk_l2norm_in_kernel=True, config=cfg,
                                       backend=self.backend)
@@ -922,12 +913,10 @@ def main():
     if "replay" in parts:
       replay_shapes = [(2, 2, 1, 3), (2, 2, 3, 3)] if b.smoke else [
           (256, 16, D, 256) for D in (4, 1, 2, 8)]
-      default = b.configs.decode_config(b.K, b.V).replay
-      cfgs = ([""] + [r for r in ("tokens", "block") if r != default]
-              + list(filter(None, args.replay_configs.split(","))))
+      cfgs = [""] + list(filter(None, args.replay_configs.split(",")))
       rrows = [common.run_row(results, "replay", dict(N=N, HV=HV, D=D, S=S, cfg=c),
                               b.replay_row, budget)
-               for N, HV, D, S in replay_shapes for c in cfgs]
+               for c in cfgs for N, HV, D, S in replay_shapes]
       common.print_table(f"checkpoint + replay step (loop ms per step of {b.loop_steps} in one "
                          "jit)", rrows, REPLAY_COLS)
 

@@ -22,12 +22,6 @@ class DecodeConfig:
   BV: int
   num_warps: int
   num_stages: int = 1
-  # How a replay step (replay_ring) and commit_replay run: "tokens" walks the accepted ring
-  # rows and the new tokens token by token; "block" replays the rows and computes the new
-  # tokens' outputs in block (WY) form (docs/algorithm.md §13.4). Both calls under one config
-  # replay the same way, so a replay step's checkpoint is commit_replay's bit for bit; the two
-  # paths differ in rounding.
-  replay: str = "tokens"
 
 
 def _next_pow2(x: int) -> int:

@@ -129,8 +129,6 @@ def _config(config, dims):
   if not isinstance(config, _configs.DecodeConfig):
     raise ValueError(f"config: expected a gdp_jax._configs.DecodeConfig or None, got "
                      f"{type(config).__name__}")
-  if config.replay not in ("tokens", "block"):
-    raise ValueError(f"config: expected replay 'tokens' or 'block', got {config.replay!r}")
   return config
 
 
@@ -177,7 +175,6 @@ def _fused_recurrent_fwd(q, k, v, g, beta, *, dims, backend, config, scale, init
       jax.ShapeDtypeStruct(intermediate_states.shape if has_inter else (1,),
                            intermediate_states.dtype if has_inter else f32),
   )
-  BK, BR = _configs._next_pow2(K), _configs._next_pow2(NR)
   aliases = {}
   if has_state:
     aliases[6] = 2
@@ -187,12 +184,8 @@ def _fused_recurrent_fwd(q, k, v, g, beta, *, dims, backend, config, scale, init
       "fused_recurrent.fused_recurrent_fwd_kernel", *args,
       grid=(-(-V // config.BV) * N * HV,), out_shape=out_shape, backend=backend,
       input_output_aliases=aliases, num_warps=config.num_warps, num_stages=config.num_stages,
-      H=H, HV=HV, K=K, V=V, NI=NI, NR=NR, BK=BK, BV=config.BV, BR=BR,
-      # The block form's Gram matrices take [BR, BR, BKC] products at a time, 1024 values or
-      # fewer (32 registers per thread at one warp); RG = 2 rows in flight (the replay alone
-      # compiled to the token loop's 128 registers at K = V = 128 float32 on sm_90 that way,
-      # to 168 and 8 B of stack with RG = 4).
-      BKC=max(1, min(BK, 1024 // (BR * BR))), RG=2, STEPS_PER_TOKEN=steps_per_token,
+      H=H, HV=HV, K=K, V=V, NI=NI, NR=NR, BK=_configs._next_pow2(K), BV=config.BV,
+      STEPS_PER_TOKEN=steps_per_token,
       RING_G_STEPS=NR // ring_g.shape[1] if ring_g is not None else 1,
       USE_G=use_g, USE_BETA=beta_like is not None,
       IS_BETA_HEADWISE=beta_like is None or beta_like.ndim == 3,
@@ -200,9 +193,7 @@ def _fused_recurrent_fwd(q, k, v, g, beta, *, dims, backend, config, scale, init
       USE_INITIAL_STATE=initial_state is not None, STORE_FINAL_STATE=store_final,
       HAS_STATE=has_state, HAS_STATE_INDICES=state_indices is not None,
       STORE_INTERMEDIATE=has_inter, IS_VARLEN=cu_seqlens is not None,
-      HAS_NUM_ACCEPTED=num_accepted is not None and not replay, HAS_REPLAY=replay,
-      # Off without a ring, so a plain step compiles one variant whatever the config says.
-      REPLAY_BLOCK=replay and config.replay == "block")
+      HAS_NUM_ACCEPTED=num_accepted is not None and not replay, HAS_REPLAY=replay)
   if replay:
     return o, new_state
   if cu_seqlens is not None:

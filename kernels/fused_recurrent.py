@@ -28,8 +28,7 @@ checkpoint, and a ring holds the previous step's NR recurrence-step inputs (k, v
 slot. Sequence i first replays the first num_accepted[i] * STEPS_PER_TOKEN ring rows of its slot
 into the checkpoint (state updates only; the loop bound skips the rejected rows), stores the
 result as the new checkpoint, then walks its T new steps storing outputs only: one state read
-and at most one state write, whatever the draft length. With REPLAY_BLOCK both the replay and
-the new steps' outputs are computed in block (WY) form instead (docs/algorithm.md §13.4). Ring g holds one decay per
+and at most one state write, whatever the draft length. Ring g holds one decay per
 RING_G_STEPS rows (M for Gated Delta Product: one per draft token, on its first copy). The
 kernel only reads the ring; the caller writes the new rows after it. T = 0 is the commit: the
 replay and the checkpoint, no outputs.
@@ -44,160 +43,6 @@ import triton
 import triton.language as tl
 
 from ._common import decode_program, l2norm_rows
-
-
-@triton.jit
-def wy_rows(b_h, k, v, g, beta, r0, g0, n_rows, i_h, i_hv, o_k, o_v, mask_k, mask_v,
-            H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-            BK: tl.constexpr, BV: tl.constexpr, BR: tl.constexpr, BKC: tl.constexpr,
-            RG: tl.constexpr, G_STEPS: tl.constexpr, USE_G: tl.constexpr, USE_BETA: tl.constexpr,
-            IS_BETA_HEADWISE: tl.constexpr, USE_QK_L2NORM: tl.constexpr):
-  """Rows r0 .. r0 + n_rows - 1 (1 <= n_rows <= BR) of a stream (k [., H, K], v [., HV, V],
-  g one decay per G_STEPS rows from g row g0 on, beta) in block (WY) form from the state b_h
-  [BK, BV] (docs/algorithm.md §13.4): returns (u [BR, BV], G [BR], 1 / |k| [BR] or ones).
-
-  With G the inclusive cumsum of the row decays, P = K S0 and A[i, c] = exp(G_i - G_c) k_i.k_c
-  for c < i, row i's update is u_i = beta_i (v_i - exp(G_i) P_i - sum_c A[i, c] u_c). The rows
-  of P are reductions over K, as in the token loop, but no row waits for another: RG rows are
-  loaded and reduced at once. The one serial chain is the forward substitution for u on the
-  [BR, BV] tile, with no load and no reduction over K in it. The products stay in registers:
-  tl.dot with float32 operands over K did not fit beside the state at one warp (168 registers
-  and 2.5 KB of stack on sm_90 at K = V = 128). Every exponent is <= 0 for decays <= 0. Rows
-  at or past n_rows load as zeros (k = v = 0, g = 0): their u is 0.
-  """
-  o_r = tl.arange(0, BR)
-  mask_r = o_r < n_rows
-  r = r0 + o_r
-  # P = K S0, one independent reduction over K per row.
-  p_k = k + i_h * K + o_k
-  b_P = tl.zeros([BR, BV], dtype=tl.float32)
-  for i0 in range(0, n_rows, RG):
-    for j in tl.static_range(RG):
-      b_k = tl.load(p_k + (r0 + i0 + j) * H * K, mask=mask_k & (o_k * 0 + i0 + j < n_rows),
-                    other=0.).to(tl.float32)
-      b_P = tl.where(o_r[:, None] == i0 + j, tl.sum(b_h * b_k[:, None], 0)[None, :], b_P)
-  # Gram matrix of the raw keys, BKC key columns at a time ([BR, BR, BKC] products live): a
-  # loop, not unrolled, so that its loads are not all in flight at once (225 registers on sm_90
-  # at K = V = 128 unrolled, 167 so); they hit L1 after P's.
-  o_c = tl.arange(0, BKC)
-  b_A = tl.zeros([BR, BR], dtype=tl.float32)
-  for kc in range(0, BK, BKC):
-    b_kc = tl.load(k + (r[:, None] * H + i_h) * K + kc + o_c[None, :],
-                   mask=mask_r[:, None] & (kc + o_c < K)[None, :], other=0.).to(tl.float32)
-    b_A += tl.sum(b_kc[:, None, :] * b_kc[None, :, :], 2)
-  if USE_QK_L2NORM:
-    # l2norm_rows on each key, as 1 / sqrt(sum(k^2) + 1e-6) from the Gram diagonal.
-    b_inv = 1. / tl.sqrt(tl.sum(tl.where(o_r[:, None] == o_r[None, :], b_A, 0.), 1) + 1e-6)
-  else:
-    b_inv = tl.full([BR], 1., dtype=tl.float32)
-  if USE_G:
-    # One decay per G_STEPS rows, on the first of them (the others decay by exp(0) = 1).
-    b_g = tl.load(g + (g0 + o_r // G_STEPS) * HV + i_hv,
-                  mask=mask_r & (o_r % G_STEPS == 0), other=0.).to(tl.float32)
-    b_G = tl.cumsum(b_g, 0)
-  else:
-    b_G = tl.zeros([BR], dtype=tl.float32)
-  b_A *= b_inv[:, None] * b_inv[None, :]
-  b_A = tl.where(o_r[:, None] > o_r[None, :], b_A * tl.exp(b_G[:, None] - b_G[None, :]), 0.)
-  b_v = tl.load(v + (r[:, None] * HV + i_hv) * V + o_v[None, :],
-                mask=mask_r[:, None] & mask_v[None, :], other=0.).to(tl.float32)
-  b_u = b_v - (tl.exp(b_G) * b_inv)[:, None] * b_P
-  if USE_BETA:
-    if IS_BETA_HEADWISE:
-      b_beta = tl.load(beta + r * HV + i_hv, mask=mask_r, other=0.).to(tl.float32)
-      b_u *= b_beta[:, None]
-      b_A *= b_beta[:, None]
-    else:
-      b_beta = tl.load(beta + (r[:, None] * HV + i_hv) * V + o_v[None, :],
-                       mask=mask_r[:, None] & mask_v[None, :], other=0.).to(tl.float32)
-      b_u *= b_beta
-  # Forward substitution by columns: row i is final once rows 0 .. i-1 have been taken out of
-  # it, and is then taken out of every later row; each pick is a reduction over the BR rows of
-  # the tile, not over K.
-  for i in range(0, n_rows):
-    u_i = tl.sum(tl.where(o_r[:, None] == i, b_u, 0.), 0)
-    a_i = tl.sum(tl.where(o_r[None, :] == i, b_A, 0.), 1)
-    if USE_BETA and not IS_BETA_HEADWISE:
-      b_u -= b_beta * (a_i[:, None] * u_i[None, :])
-    else:
-      b_u -= a_i[:, None] * u_i[None, :]
-  return b_u, b_G, b_inv
-
-
-@triton.jit
-def replay_block(b_h, ring_k, ring_v, ring_g, ring_beta, r0, g0, n_rows, i_h, i_hv, o_k, o_v,
-                 mask_k, mask_v, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
-                 V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BR: tl.constexpr,
-                 BKC: tl.constexpr, RG: tl.constexpr, RING_G_STEPS: tl.constexpr,
-                 USE_G: tl.constexpr, USE_BETA: tl.constexpr, IS_BETA_HEADWISE: tl.constexpr,
-                 USE_QK_L2NORM: tl.constexpr):
-  """The state b_h [BK, BV] after ring rows r0 .. r0 + n_rows - 1, in block form (wy_rows):
-  S_end = exp(G_last) S0 + sum_i exp(G_last - G_i) k_i u_i^T, one independent rank-1 update
-  per row."""
-  b_u, b_G, b_inv = wy_rows(b_h, ring_k, ring_v, ring_g, ring_beta, r0, g0, n_rows, i_h, i_hv,
-                            o_k, o_v, mask_k, mask_v, H, HV, K, V, BK, BV, BR, BKC, RG,
-                            RING_G_STEPS, USE_G, USE_BETA, IS_BETA_HEADWISE, USE_QK_L2NORM)
-  o_r = tl.arange(0, BR)
-  b_G_last = tl.sum(tl.where(o_r == n_rows - 1, b_G, 0.), 0)
-  # Normalisation and decay folded into u.
-  b_u *= (tl.exp(b_G_last - b_G) * b_inv)[:, None]
-  b_h *= tl.exp(b_G_last)
-  p_k = ring_k + i_h * K + o_k
-  for i0 in range(0, n_rows, RG):
-    for j in tl.static_range(RG):
-      b_k = tl.load(p_k + (r0 + i0 + j) * H * K, mask=mask_k & (o_k * 0 + i0 + j < n_rows),
-                    other=0.).to(tl.float32)
-      b_h += b_k[:, None] * tl.sum(tl.where(o_r[:, None] == i0 + j, b_u, 0.), 0)[None, :]
-  return b_h
-
-
-@triton.jit
-def outputs_block(b_h, q, k, v, g, beta, o, scale, t0, n_rows, i_h, i_hv, o_k, o_v, mask_k,
-                  mask_v, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-                  BK: tl.constexpr, BV: tl.constexpr, BR: tl.constexpr, BKC: tl.constexpr,
-                  RG: tl.constexpr, USE_G: tl.constexpr, USE_BETA: tl.constexpr,
-                  IS_BETA_HEADWISE: tl.constexpr, USE_QK_L2NORM: tl.constexpr):
-  """Stores o for stream rows t0 .. t0 + n_rows - 1 from the state b_h before them, in block
-  form (wy_rows; the states after each row are never formed):
-  o_j = exp(G_j) S0^T q_j + sum_{c <= j} exp(G_j - G_c) (q_j . k_c) u_c, q_j scaled (and
-  normalised). Like P, Q S0 is one independent reduction over K per row."""
-  b_u, b_G, b_inv = wy_rows(b_h, k, v, g, beta, t0, t0, n_rows, i_h, i_hv, o_k, o_v, mask_k,
-                            mask_v, H, HV, K, V, BK, BV, BR, BKC, RG, 1, USE_G, USE_BETA,
-                            IS_BETA_HEADWISE, USE_QK_L2NORM)
-  o_r = tl.arange(0, BR)
-  mask_r = o_r < n_rows
-  r = t0 + o_r
-  # exp(G_j) S0^T q_j, one independent reduction per row.
-  p_q = q + i_h * K + o_k
-  b_o = tl.zeros([BR, BV], dtype=tl.float32)
-  for i0 in range(0, n_rows, RG):
-    for j in tl.static_range(RG):
-      b_q = tl.load(p_q + (t0 + i0 + j) * H * K, mask=mask_k & (o_k * 0 + i0 + j < n_rows),
-                    other=0.).to(tl.float32)
-      b_o = tl.where(o_r[:, None] == i0 + j, tl.sum(b_h * b_q[:, None], 0)[None, :], b_o)
-  # q_j . k_c and |q_j|^2, BKC key columns at a time.
-  o_c = tl.arange(0, BKC)
-  b_QK = tl.zeros([BR, BR], dtype=tl.float32)
-  b_qq = tl.zeros([BR], dtype=tl.float32)
-  for kc in range(0, BK, BKC):
-    mask_c = mask_r[:, None] & (kc + o_c < K)[None, :]
-    b_qc = tl.load(q + (r[:, None] * H + i_h) * K + kc + o_c[None, :], mask=mask_c,
-                   other=0.).to(tl.float32)
-    b_kc = tl.load(k + (r[:, None] * H + i_h) * K + kc + o_c[None, :], mask=mask_c,
-                   other=0.).to(tl.float32)
-    b_QK += tl.sum(b_qc[:, None, :] * b_kc[None, :, :], 2)
-    b_qq += tl.sum(b_qc * b_qc, 1)
-  b_sq = tl.full([BR], scale, dtype=tl.float32)
-  if USE_QK_L2NORM:
-    b_sq = b_sq / tl.sqrt(b_qq + 1e-6)
-  b_QK *= b_sq[:, None] * b_inv[None, :]
-  b_QK = tl.where(o_r[:, None] >= o_r[None, :], b_QK * tl.exp(b_G[:, None] - b_G[None, :]), 0.)
-  b_o *= (tl.exp(b_G) * b_sq)[:, None]
-  for c in range(0, n_rows):
-    b_o += (tl.sum(tl.where(o_r[None, :] == c, b_QK, 0.), 1)[:, None]
-            * tl.sum(tl.where(o_r[:, None] == c, b_u, 0.), 0)[None, :])
-  tl.store(o + (r[:, None] * HV + i_hv) * V + o_v[None, :], b_o.to(o.dtype.element_ty),
-           mask=mask_r[:, None] & mask_v[None, :])
 
 
 @triton.jit
@@ -236,9 +81,6 @@ def fused_recurrent_fwd_kernel(
     NR: tl.constexpr,
     BK: tl.constexpr,
     BV: tl.constexpr,
-    BR: tl.constexpr,   # NR rounded up to a power of two                     (REPLAY_BLOCK)
-    BKC: tl.constexpr,  # key columns per step of the block replay's Gram matrix (REPLAY_BLOCK)
-    RG: tl.constexpr,   # ring rows the block replay keeps in flight at once   (REPLAY_BLOCK)
     STEPS_PER_TOKEN: tl.constexpr,
     RING_G_STEPS: tl.constexpr,
     # flags
@@ -254,7 +96,6 @@ def fused_recurrent_fwd_kernel(
     IS_VARLEN: tl.constexpr,
     HAS_NUM_ACCEPTED: tl.constexpr,
     HAS_REPLAY: tl.constexpr,
-    REPLAY_BLOCK: tl.constexpr,  # the replay in block form, else token by token
 ):
   i_v, i_n, i_hv, i_h = decode_program(triton.cdiv(V, BV), HV, H)
 
@@ -297,32 +138,25 @@ def fused_recurrent_fwd_kernel(
       # the ring.
       n_acc = tl.minimum(tl.maximum(tl.load(num_accepted + i_n).to(tl.int64), 0),
                          NR // STEPS_PER_TOKEN)
-      if REPLAY_BLOCK:
-        if n_acc > 0:
-          b_h = replay_block(b_h, ring_k, ring_v, ring_g, ring_beta, slot * NR,
-                             slot * (NR // RING_G_STEPS), n_acc * STEPS_PER_TOKEN, i_h, i_hv,
-                             o_k, o_v, mask_k, mask_v, H, HV, K, V, BK, BV, BR, BKC, RG,
-                             RING_G_STEPS, USE_G, USE_BETA, IS_BETA_HEADWISE, USE_QK_L2NORM)
-      else:
-        # The token loop below without queries and outputs, over ring rows r of this slot.
-        for s in range(0, n_acc * STEPS_PER_TOKEN):
-          r = slot * NR + s
-          b_k = tl.load(ring_k + (r * H + i_h) * K + o_k, mask=mask_k, other=0.).to(tl.float32)
-          b_v = tl.load(ring_v + (r * HV + i_hv) * V + o_v, mask=mask_v, other=0.).to(tl.float32)
-          if USE_QK_L2NORM:
-            b_k = l2norm_rows(b_k)
-          if USE_G:
-            # Rows between two decays (the M - 1 later copies of a token) decay by exp(0) = 1.
-            b_g = tl.load(ring_g + (slot * (NR // RING_G_STEPS) + s // RING_G_STEPS) * HV + i_hv)
-            b_h *= tl.exp(tl.where(s % RING_G_STEPS == 0, b_g.to(tl.float32), 0.))
-          b_v -= tl.sum(b_h * b_k[:, None], 0)
-          if USE_BETA:
-            if IS_BETA_HEADWISE:
-              b_v *= tl.load(ring_beta + r * HV + i_hv).to(tl.float32)
-            else:
-              b_v *= tl.load(ring_beta + (r * HV + i_hv) * V + o_v, mask=mask_v,
-                             other=0.).to(tl.float32)
-          b_h += b_k[:, None] * b_v[None, :]
+      # The token loop below without queries and outputs, over ring rows r of this slot.
+      for s in range(0, n_acc * STEPS_PER_TOKEN):
+        r = slot * NR + s
+        b_k = tl.load(ring_k + (r * H + i_h) * K + o_k, mask=mask_k, other=0.).to(tl.float32)
+        b_v = tl.load(ring_v + (r * HV + i_hv) * V + o_v, mask=mask_v, other=0.).to(tl.float32)
+        if USE_QK_L2NORM:
+          b_k = l2norm_rows(b_k)
+        if USE_G:
+          # Rows between two decays (the M - 1 later copies of a token) decay by exp(0) = 1.
+          b_g = tl.load(ring_g + (slot * (NR // RING_G_STEPS) + s // RING_G_STEPS) * HV + i_hv)
+          b_h *= tl.exp(tl.where(s % RING_G_STEPS == 0, b_g.to(tl.float32), 0.))
+        b_v -= tl.sum(b_h * b_k[:, None], 0)
+        if USE_BETA:
+          if IS_BETA_HEADWISE:
+            b_v *= tl.load(ring_beta + r * HV + i_hv).to(tl.float32)
+          else:
+            b_v *= tl.load(ring_beta + (r * HV + i_hv) * V + o_v, mask=mask_v,
+                           other=0.).to(tl.float32)
+        b_h += b_k[:, None] * b_v[None, :]
       if n_acc > 0:
         tl.store(state_out + p_state, b_h.to(state_out.dtype.element_ty), mask=mask_h)
         # The new tokens start from the checkpoint as stored, so that this step equals the
@@ -341,13 +175,6 @@ def fused_recurrent_fwd_kernel(
   elif USE_INITIAL_STATE:
     b_h = tl.load(h0 + (i_n.to(tl.int64) * HV + i_hv) * K * V + p_kv, mask=mask_h,
                   other=0.).to(tl.float32)
-
-  if HAS_REPLAY and REPLAY_BLOCK:
-    if eos > bos:
-      outputs_block(b_h, q, k, v, g, beta, o, scale, bos, eos - bos, i_h, i_hv, o_k, o_v,
-                    mask_k, mask_v, H, HV, K, V, BK, BV, BR, BKC, RG, USE_G, USE_BETA,
-                    IS_BETA_HEADWISE, USE_QK_L2NORM)
-    return
 
   for s in range(0, eos - bos):
     t = bos + s

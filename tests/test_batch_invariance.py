@@ -9,14 +9,11 @@ forward scan splits a long sequence into pieces (docs/algorithm.md §13.3). The 
 the checks at tiny shapes; the GPU cases (`-m gpu`) are the ones that matter, since compiled
 kernels are where a batch-dependent tile changes the summation order.
 """
-import dataclasses
-
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import gdp_jax
-from gdp_jax import _configs
 from conftest import KERNEL_BACKEND
 from gdp_jax import _prefill_kernels as pk
 from helpers import bits_equal, forward_with
@@ -36,19 +33,18 @@ RING = ("k", "v", "g", "beta")
 
 
 def check_decode_invariance(N, positions, D, M, H, HV, K, V, dtype, backend, spec=False,
-                            replay=False, config=None):
+                            replay=False):
   """The request alone, then at each of `positions` in a batch of N random requests (one of
   them -1 padding, slots a random permutation of a larger cache): bitwise equal. With D > 1 the
   step keeps snapshots; with `spec` it also starts from the previous step's snapshot
-  (num_accepted); with `replay` it replays its accepted ring tokens instead (no snapshots), by
-  the path `config` names."""
+  (num_accepted); with `replay` it replays its accepted ring tokens instead (no snapshots)."""
   rng = np.random.default_rng(N * 7 + D)
   mine = _requests(rng, 1, D, M, H, HV, K, V, dtype)
   my_state = rng.standard_normal((HV, K, V)).astype(np.float32)
   my_snaps = rng.standard_normal((D, HV, K, V)).astype(np.float32)
   my_ring = _requests(rng, 1, D, M, H, HV, K, V, dtype)
   my_count = D - 1 if D > 1 else 1
-  kw = dict(num_householder=M, use_qk_l2norm_in_kernel=True, config=config, backend=backend)
+  kw = dict(num_householder=M, use_qk_l2norm_in_kernel=True, backend=backend)
 
   def run(x, state, slots, snaps, counts, ring):
     extra = {}
@@ -90,14 +86,8 @@ def test_decode_batch_invariance(D, spec):
   check_decode_invariance(5, (0, 3), D, 2, 1, 2, 8, 24, "float32", KERNEL_BACKEND, spec=spec)
 
 
-def _replay_config(K, V, replay):
-  return dataclasses.replace(_configs.decode_config(K, V), replay=replay)
-
-
-@pytest.mark.parametrize("path", ["tokens", "block"])
-def test_replay_batch_invariance(path):
-  check_decode_invariance(5, (0, 3), 3, 2, 1, 2, 8, 24, "float32", KERNEL_BACKEND, replay=True,
-                          config=_replay_config(8, 24, path))
+def test_replay_batch_invariance():
+  check_decode_invariance(5, (0, 3), 3, 2, 1, 2, 8, 24, "float32", KERNEL_BACKEND, replay=True)
 
 
 @pytest.mark.gpu
@@ -111,10 +101,9 @@ def test_decode_batch_invariance_gpu(N, D, spec, dtype):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("N", [2, 64, 256])
-@pytest.mark.parametrize("path", ["tokens", "block"])
-def test_replay_batch_invariance_gpu(N, path):
+def test_replay_batch_invariance_gpu(N):
   check_decode_invariance(N, sorted({0, N // 2, N - 1}), 4, 2, 16, 16, 128, 128, "float32",
-                          "triton", replay=True, config=_replay_config(128, 128, path))
+                          "triton", replay=True)
 
 
 def _sequence(rng, L, M, H, HV, K, V):

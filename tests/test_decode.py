@@ -344,7 +344,7 @@ def check_replay_ring(ring, old, x, slots, live):
     assert bits_equal(np.asarray(r)[~live], np.asarray(r_old)[~live]), f"ring {name}: slot changed"
 
 
-def check_replay(N, D, M, H, HV, K, V, S, dtype, backend, seed=0, config=None):
+def check_replay(N, D, M, H, HV, K, V, S, dtype, backend, seed=0):
   """Checkpoint and replay. Step one starts after prefill (counts 0, a NaN ring). Step two
   replays each request's first counts[i] tokens of step one (every count 0..D over the rounds)
   and equals the reference run on only those tokens of step one, then all of step two; its
@@ -362,12 +362,11 @@ def check_replay(N, D, M, H, HV, K, V, S, dtype, backend, seed=0, config=None):
   slots = np.asarray(a["state_indices"])
   live = np.zeros(S, bool)
   live[slots[slots >= 0]] = True
-  kw = dict(num_householder=M, state_indices=a["state_indices"], backend=backend, config=config)
+  kw = dict(num_householder=M, state_indices=a["state_indices"], backend=backend)
   step = jax.jit(lambda x, c, r, n: gdp_jax.gated_delta_product_decode(
       **x, state=c, num_accepted=n, replay_ring=r, **kw), donate_argnums=(1, 2))
   commit = jax.jit(lambda c, r, n: gdp_jax.commit_replay(
-      c, r, a["state_indices"], n, steps_per_token=M, config=config, backend=backend),
-      donate_argnums=(0,))
+      c, r, a["state_indices"], n, steps_per_token=M, backend=backend), donate_argnums=(0,))
   plain = jax.jit(lambda x, c: gdp_jax.gated_delta_product_decode(**x, state=c, **kw))
   tol = RTOL[dtype]
   state_tol = 1e-5 if dtype == "float32" else 1e-2
@@ -400,9 +399,7 @@ def check_replay(N, D, M, H, HV, K, V, S, dtype, backend, seed=0, config=None):
     o_plain, _ = plain(b, committed)
     assert bits_equal(committed, state2)
     assert_close(f"o against commit + plain step (shift {shift})", o_plain, o2, tol)
-    if backend == "interpret" and (config is None or config.replay == "tokens"):
-      # The block form computes the new tokens' outputs in block form too, which the plain
-      # step does not.
+    if backend == "interpret":
       assert bits_equal(o_plain, o2)
     # Ending speculation: fold the accepted tokens of step two into the cache.
     counts2 = counts_of(shift + 1)
@@ -414,36 +411,25 @@ def check_replay(N, D, M, H, HV, K, V, S, dtype, backend, seed=0, config=None):
 
 
 REPLAY_CASES = [(3, 3, 2, 1, 2, 8, 8, 5, "float32"), (4, 2, 1, 2, 4, 16, 8, 6, "bfloat16"),
-                (3, 2, 3, 1, 1, 8, 16, 4, "float32")]
-# More of the block form's row counts: 4 draft tokens of 2 rows with K and V not powers of
-# two, and 8 of 3 rows (24 of a 32-row block) with V over two V blocks.
-BLOCK_REPLAY_CASES = [(2, 4, 2, 1, 1, 100, 80, 3, "float32"), (2, 8, 3, 1, 1, 16, 20, 3, "float32")]
+                (3, 2, 3, 1, 1, 8, 16, 4, "float32"),
+                (2, 4, 2, 1, 1, 100, 80, 3, "float32")]  # K, V not powers of two, 5 V blocks
 
 
-def _replay_config(K, V, replay):
-  return dataclasses.replace(_configs.decode_config(K, V), replay=replay)
-
-
-@pytest.mark.parametrize("case,path", [(c, p) for c in REPLAY_CASES for p in ("tokens", "block")]
-                         + [(c, "block") for c in BLOCK_REPLAY_CASES],
-                         ids=lambda x: x if isinstance(x, str) else _case_id(x))
-def test_replay_step_equals_accepted_tokens_then_new(case, path):
-  """Both replay paths: the token loop and the block form."""
-  check_replay(*case, backend=KERNEL_BACKEND, config=_replay_config(case[5], case[6], path))
+@pytest.mark.parametrize("case", REPLAY_CASES, ids=_case_id)
+def test_replay_step_equals_accepted_tokens_then_new(case):
+  check_replay(*case, backend=KERNEL_BACKEND)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", [(64, 4, 2, 16, 32, 128, 128, 80, "float32"),
                                   (16, 3, 3, 6, 6, 256, 512, 20, "bfloat16")],
                          ids=_case_id)
-@pytest.mark.parametrize("path", ["tokens", "block"])
-def test_replay_step_equals_accepted_tokens_then_new_gpu(case, path):
-  check_replay(*case, backend="triton", seed=3, config=_replay_config(case[5], case[6], path))
+def test_replay_step_equals_accepted_tokens_then_new_gpu(case):
+  check_replay(*case, backend="triton", seed=3)
 
 
-@pytest.mark.parametrize("path", ["tokens", "block"])
 @pytest.mark.parametrize("spt,beta,l2norm", [(1, "elem", True), (2, "head", False)])
-def test_fused_recurrent_replay(spt, beta, l2norm, path):
+def test_fused_recurrent_replay(spt, beta, l2norm):
   """The fused recurrent entry point with a ring (g per recurrence step, element-wise beta)
   against its reference twin, then commit_replay of the new ring; slot -1 is padding."""
   B, T, H, HV, K, V, S = 3, 4, 1, 2, 16, 8, 5
@@ -464,9 +450,8 @@ def test_fused_recurrent_replay(spt, beta, l2norm, path):
   counts = jnp.asarray([T // spt, 5, 1], jnp.int32)
   kw = dict(state_indices=slots, num_accepted=counts, steps_per_token=spt,
             use_qk_l2norm_in_kernel=l2norm)
-  cfg = _replay_config(K, V, path)
   o, state, new_ring = gdp_jax.fused_recurrent_gated_delta_rule(
-      **x, state=cache, replay_ring=ring, **kw, config=cfg, backend=KERNEL_BACKEND)
+      **x, state=cache, replay_ring=ring, **kw, backend=KERNEL_BACKEND)
   o_ref, state_ref, ring_ref = reference.fused_recurrent_gated_delta_rule(
       **_upcast(x), state=_upcast(cache), replay_ring=_upcast(ring), **kw)
   assert np.all(np.asarray(o)[1] == 0)
@@ -475,8 +460,7 @@ def test_fused_recurrent_replay(spt, beta, l2norm, path):
   assert bits_equal(np.asarray(state)[~live], np.asarray(cache)[~live])
   check_replay_ring(new_ring, ring, x, np.asarray(slots), live)
   committed = gdp_jax.commit_replay(state, new_ring, slots, counts, steps_per_token=spt,
-                                    use_qk_l2norm_in_kernel=l2norm, config=cfg,
-                                    backend=KERNEL_BACKEND)
+                                    use_qk_l2norm_in_kernel=l2norm, backend=KERNEL_BACKEND)
   want = reference.commit_replay(_upcast(state), _upcast(new_ring), slots, counts,
                                  steps_per_token=spt, use_qk_l2norm_in_kernel=l2norm)
   assert_close("committed", np.asarray(want)[live], np.asarray(committed)[live], 1e-5)
@@ -604,9 +588,6 @@ def test_config_argument():
   assert_close("o", o_ref, o, RTOL["float32"])
   with pytest.raises(ValueError, match="config: expected"):
     gdp_jax.gated_delta_product_decode(**a, **kw, config=dict(BV=8, num_warps=1))
-  with pytest.raises(ValueError, match="config: expected replay 'tokens' or 'block', got 'wy'"):
-    gdp_jax.gated_delta_product_decode(
-        **a, **kw, config=_configs.DecodeConfig(BV=16, num_warps=1, replay="wy"))
 
 
 def test_traced_num_accepted_out_of_range_is_clamped():

@@ -14,7 +14,6 @@ and the test process has imported it in interpreter mode (conftest.py).
 """
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import re
@@ -40,8 +39,6 @@ CASES = [("prefill", "bfloat16", 256, 512, 2), ("prefill", "float32", 256, 512, 
          ("speculative", "bfloat16", 256, 512, 4),
          ("replay", "bfloat16", 256, 512, 4), ("replay", "float32", 128, 128, 4),
          ("commit", "bfloat16", 256, 512, 4),
-         # The block-form replay (DecodeConfig.replay="block").
-         ("replay_block", "float32", 128, 128, 4), ("commit_block", "bfloat16", 256, 512, 4),
          ("train", "bfloat16", 256, 512, 2), ("train", "float32", 256, 512, 2),
          ("train", "bfloat16", 128, 128, 16), ("train", "float32", 128, 128, 16),
          ("train", "bfloat16", 128, 128, 1), ("train", "float32", 256, 512, 1),
@@ -61,7 +58,7 @@ def _record_launches(what, dtype, K, V, N, bwd=None):
   import jax
   import jax.numpy as jnp
   import gdp_jax
-  from gdp_jax import _backends, _configs, _launch_jax_triton, _launch_spec, _prefill_bwd
+  from gdp_jax import _backends, _launch_jax_triton, _launch_spec, _prefill_bwd
   from gdp_jax import _prefill_kernels as pk
 
   launches = []
@@ -119,11 +116,8 @@ def _record_launches(what, dtype, K, V, N, bwd=None):
       return jnp.sum(o.astype(f32))
 
     run = jax.grad(loss, argnums=tuple(range(5)))
-  elif what.split("_")[0] in ("replay", "commit"):
+  elif what in ("replay", "commit"):
     D = 3
-    config = None
-    if what.endswith("_block"):
-      config = dataclasses.replace(_configs.decode_config(K, V), replay="block")
     ring = (sds((S, D * M, H, K), dt), sds((S, D * M, HV, V), dt), sds((S, D, HV), f32),
             sds((S, D * M, HV), dt))
     args = (sds((N, D, H, K), dt), sds((N, D * M, H, K), dt), sds((N, D * M, HV, V), dt),
@@ -132,14 +126,13 @@ def _record_launches(what, dtype, K, V, N, bwd=None):
 
     def run(q, k, v, g, beta, state, idx, ring, accepted):
       # "replay": the checkpoint + replay step; "commit": the replay alone.
-      if what.startswith("commit"):
+      if what == "commit":
         return gdp_jax.commit_replay(state, ring, idx, accepted, steps_per_token=M,
-                                     use_qk_l2norm_in_kernel=True, config=config,
-                                     backend="triton")
+                                     use_qk_l2norm_in_kernel=True, backend="triton")
       return gdp_jax.gated_delta_product_decode(
           q, k, v, g, beta, num_householder=M, state=state, state_indices=idx,
           num_accepted=accepted, replay_ring=ring, use_qk_l2norm_in_kernel=True,
-          config=config, backend="triton")
+          backend="triton")
   else:
     D = 3
     args = (sds((N, D, H, K), dt), sds((N, D * M, H, K), dt), sds((N, D * M, HV, V), dt),
@@ -257,7 +250,7 @@ def test_every_launch_fits_sm90_shared_memory():
   assert any("decode" in k or "recurrent" in k for k in kernels), kernels
   over = [r for r in report if r["shared"] > SM90_MAX_SHARED]
   assert not over, f"over the {SM90_MAX_SHARED} bytes of an sm_90 block: {over}"
-  # The decode kernel keeps its state in registers, both replay paths included.
+  # The decode kernel keeps its state in registers, the replay step's included.
   spills = [r for r in report if r["kernel"] == "fused_recurrent_fwd_kernel" and r["stack"]]
   assert not spills, f"the decode kernel spills: {spills}"
 
