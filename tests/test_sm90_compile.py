@@ -32,7 +32,6 @@ SM90_MAX_SHARED = 232448
 # (chunk_wy_bwd finishes dk and zeroes the rows past cu_seqlens[N]).
 CASES = [("prefill", "bfloat16", 256, 512, 2), ("prefill", "float32", 256, 512, 2),
          ("prefill", "bfloat16", 128, 128, 2), ("prefill", "bfloat16", 128, 128, 16),
-         ("prefill", "float32", 128, 128, 16),
          ("prefill", "bfloat16", 256, 512, 1), ("prefill", "float32", 256, 512, 1),
          ("prefill", "bfloat16", 128, 128, 1),
          ("decode", "bfloat16", 256, 512, 4), ("decode", "float32", 256, 512, 4),
@@ -40,16 +39,19 @@ CASES = [("prefill", "bfloat16", 256, 512, 2), ("prefill", "float32", 256, 512, 
          ("replay", "bfloat16", 256, 512, 4), ("replay", "float32", 128, 128, 4),
          ("commit", "bfloat16", 256, 512, 4),
          ("train", "bfloat16", 256, 512, 2), ("train", "float32", 256, 512, 2),
-         ("train", "bfloat16", 128, 128, 16), ("train", "float32", 128, 128, 16),
-         ("train", "bfloat16", 128, 128, 1), ("train", "float32", 256, 512, 1),
-         ("train_packed", "bfloat16", 128, 128, 3), ("train_packed", "float32", 256, 512, 3)]
+         ("train", "bfloat16", 128, 128, 16), ("train", "bfloat16", 128, 128, 1),
+         ("train_packed", "bfloat16", 128, 128, 3)]
+# float32 takes the largest shared-memory tiles at K=256 V=512 (kept above); its "ieee" dots
+# compile for up to a minute per kernel (docs/performance.md, "Compile time"), so the float32
+# variants at K=V=128 and the float32 packed and one-sequence training cases, whose tiles are
+# no larger, are left to the GPU tests.
 # Training under the chunk_o_bwd variant of BwdConfig that tied the default (only chunk_o_bwd's
 # launch differs), at the benchmark's K=V=128.
 CASES += [("train", "bfloat16", 128, 128, 16, dict(o_bk=128, o_warps=8))]
 # float32 under three TF32 tensor-core products per dot (f32_precision, the forward rule's too):
 # tensor-core operand tiles in shared memory instead of the FMA loops' (chunk_o: 229376 B at
 # K=256 V=512).
-CASES += [("train", "float32", 256, 512, n, dict(f32_precision="tf32x3")) for n in (2, 1)]
+CASES += [("train", "float32", 256, 512, 2, dict(f32_precision="tf32x3"))]
 
 
 def _record_launches(what, dtype, K, V, N, bwd=None):
