@@ -185,14 +185,29 @@ def gdp_inputs(N, D, M, H, HV, K, V, S, dtype, seed):
       intermediate_states=jnp.asarray(np.full((S, D, HV, K, V), np.nan, np.float32)))
 
 
+def _live_slots(slots, S):
+  """[S] bool: the cache slots some request of the batch addresses (padding -1 excluded)."""
+  live = np.zeros(S, bool)
+  live[slots[slots >= 0]] = True
+  return live
+
+
+def _two_steps(N, D, M, H, HV, K, V, S, dtype, seed):
+  """Inputs of two verify steps: step one's arguments (cache and slots included) and step
+  two's token inputs, drawn from the next seed."""
+  a = gdp_inputs(N, D, M, H, HV, K, V, S, dtype, seed=seed)
+  b = {n: x for n, x in gdp_inputs(N, D, M, H, HV, K, V, S, dtype, seed=seed + 1).items()
+       if n in STEP_INPUTS}
+  return a, b
+
+
 def check_gdp_decode(N, D, M, H, HV, K, V, S, dtype, backend):
   a = gdp_inputs(N, D, M, H, HV, K, V, S, dtype, seed=D * 10 + M)
   o, state, inter = gdp_jax.gated_delta_product_decode(**a, num_householder=M, backend=backend)
   o_ref, state_ref, inter_ref = reference.gated_delta_product_decode(
       **_upcast(a), num_householder=M)
   slots = np.asarray(a["state_indices"])
-  live = np.zeros(S, bool)
-  live[slots[slots >= 0]] = True
+  live = _live_slots(slots, S)
   tol = RTOL[dtype]
   assert o.shape == (N, D, HV, V)
   assert np.all(np.asarray(o, np.float32)[slots < 0] == 0)
@@ -257,16 +272,13 @@ def check_speculative(N, D, M, H, HV, K, V, S, dtype, backend, seed=0):
   count over the rounds) it equals the reference run on only the accepted tokens of step one,
   then all of step two; the cache is not written, padding and unaddressed slots keep their
   bits. Runs under jax.jit with the cache and the snapshots donated."""
-  a = gdp_inputs(N, D, M, H, HV, K, V, S, dtype, seed=seed)
-  b = {n: x for n, x in gdp_inputs(N, D, M, H, HV, K, V, S, dtype, seed=seed + 1).items()
-       if n in ("q", "k", "v", "g", "beta")}
+  a, b = _two_steps(N, D, M, H, HV, K, V, S, dtype, seed)
   _, state1, inter1 = gdp_jax.gated_delta_product_decode(**a, num_householder=M, backend=backend)
   step = jax.jit(lambda x, c, i, n: gdp_jax.gated_delta_product_decode(
       **x, num_householder=M, state=c, state_indices=a["state_indices"], intermediate_states=i,
       num_accepted=n, backend=backend), donate_argnums=(1, 2))
   slots = np.asarray(a["state_indices"])
-  live = np.zeros(S, bool)
-  live[slots[slots >= 0]] = True
+  live = _live_slots(slots, S)
   tol = RTOL[dtype]
   state_tol = 1e-5 if dtype == "float32" else 1e-2
   for shift in range(D + 1):
@@ -287,6 +299,10 @@ def check_speculative(N, D, M, H, HV, K, V, S, dtype, backend, seed=0):
 
 
 SPEC_CASES = [(3, 3, 2, 1, 2, 8, 8, 5, "float32"), (4, 2, 1, 2, 4, 16, 8, 6, "bfloat16")]
+# The GPU cases of the snapshot step and of the replay step: the benchmark's N=64 HV=32 float32
+# and K=256 V=512 bf16 with M=3.
+SPEC_GPU_CASES = [(64, 4, 2, 16, 32, 128, 128, 80, "float32"),
+                  (16, 3, 3, 6, 6, 256, 512, 20, "bfloat16")]
 
 
 @pytest.mark.parametrize("case", SPEC_CASES, ids=_case_id)
@@ -295,9 +311,7 @@ def test_speculative_step_rolls_back_to_every_count(case):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("case", [(64, 4, 2, 16, 32, 128, 128, 80, "float32"),
-                                  (16, 3, 3, 6, 6, 256, 512, 20, "bfloat16")],
-                         ids=_case_id)
+@pytest.mark.parametrize("case", SPEC_GPU_CASES, ids=_case_id)
 def test_speculative_step_rolls_back_to_every_count_gpu(case):
   check_speculative(*case, backend="triton", seed=3)
 
@@ -354,14 +368,11 @@ def check_replay(N, D, M, H, HV, K, V, S, dtype, backend, seed=0):
   followed by a plain step (bit for bit in the interpreter, to rounding compiled). Padding outputs are 0, padding
   and unaddressed slots keep their bits (cache and ring). Under jax.jit with the cache and the
   ring donated."""
-  a = gdp_inputs(N, D, M, H, HV, K, V, S, dtype, seed=seed)
-  b = {n: x for n, x in gdp_inputs(N, D, M, H, HV, K, V, S, dtype, seed=seed + 1).items()
-       if n in STEP_INPUTS}
+  a, b = _two_steps(N, D, M, H, HV, K, V, S, dtype, seed)
   xa = {n: a[n] for n in STEP_INPUTS}
   cache = a["state"]
   slots = np.asarray(a["state_indices"])
-  live = np.zeros(S, bool)
-  live[slots[slots >= 0]] = True
+  live = _live_slots(slots, S)
   kw = dict(num_householder=M, state_indices=a["state_indices"], backend=backend)
   step = jax.jit(lambda x, c, r, n: gdp_jax.gated_delta_product_decode(
       **x, state=c, num_accepted=n, replay_ring=r, **kw), donate_argnums=(1, 2))
@@ -410,8 +421,7 @@ def check_replay(N, D, M, H, HV, K, V, S, dtype, backend, seed=0):
     assert bits_equal(np.asarray(state3)[~live], np.asarray(cache)[~live])
 
 
-REPLAY_CASES = [(3, 3, 2, 1, 2, 8, 8, 5, "float32"), (4, 2, 1, 2, 4, 16, 8, 6, "bfloat16"),
-                (3, 2, 3, 1, 1, 8, 16, 4, "float32"),
+REPLAY_CASES = SPEC_CASES + [(3, 2, 3, 1, 1, 8, 16, 4, "float32"),
                 (2, 4, 2, 1, 1, 100, 80, 3, "float32")]  # K, V not powers of two, 5 V blocks
 
 
@@ -421,9 +431,7 @@ def test_replay_step_equals_accepted_tokens_then_new(case):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("case", [(64, 4, 2, 16, 32, 128, 128, 80, "float32"),
-                                  (16, 3, 3, 6, 6, 256, 512, 20, "bfloat16")],
-                         ids=_case_id)
+@pytest.mark.parametrize("case", SPEC_GPU_CASES, ids=_case_id)
 def test_replay_step_equals_accepted_tokens_then_new_gpu(case):
   check_replay(*case, backend="triton", seed=3)
 
