@@ -411,17 +411,22 @@ class Bench:
       del state, inter
       common.free_device_memory()
     # The plain D = 1 step at the same N, HV, the yardstick of the target ratio.
+    self.yardsticks(row, N, HV, D, S, x, slots, "new", ("new", "accept"))
+
+  def yardsticks(self, row, N, HV, D, S, x, slots, main, over_d1):
+    """The plain D = 1 step at the same N, HV (the target ratio's yardstick) and fla-core's D-token
+    step from a CUDA graph: row[f"{n}_over_d1"] for n in over_d1, row[f"{main}_over_fla_graph"]."""
     x1, state1, slots1, _ = self.inputs(N, HV, 1, S, seed=5)
-    loop = self.step_fn(False, steps=self.loop_steps)
-    t = common.time_jax(self.run_chain(loop, state1, None, x1, slots1))
+    t = common.time_jax(self.run_chain(self.step_fn(False, steps=self.loop_steps), state1, None,
+                                       x1, slots1))
     row["d1_loop_ms"] = t["ms"] / self.loop_steps
-    row["new_over_d1"] = row["new_loop_ms"] / row["d1_loop_ms"]
-    row["accept_over_d1"] = row["accept_loop_ms"] / row["d1_loop_ms"]
+    for n in over_d1:
+      row[f"{n}_over_d1"] = row[f"{n}_loop_ms"] / row["d1_loop_ms"]
     del state1
     if self.fla is not None:
       fla_step = self.fla_step_fn(x, self.inputs(N, HV, D, S, seed=6)[1], slots)
       row["fla_graph_ms"] = common.time_torch_graph(fla_step, steps=self.loop_steps)
-      row["new_over_fla_graph"] = row["new_loop_ms"] / row["fla_graph_ms"]
+      row[f"{main}_over_fla_graph"] = row[f"{main}_loop_ms"] / row["fla_graph_ms"]
       del fla_step
     common.free_device_memory()
 
@@ -501,19 +506,7 @@ class Bench:
     row["snap_loop_ms"] = t["ms"] / self.loop_steps
     del state, inter
     common.free_device_memory()
-    x1, state1, slots1, _ = self.inputs(N, HV, 1, S, seed=5)
-    t = common.time_jax(self.run_chain(self.step_fn(False, steps=self.loop_steps), state1, None,
-                                       x1, slots1))
-    row["d1_loop_ms"] = t["ms"] / self.loop_steps
-    row["replay_over_d1"] = row["replay_loop_ms"] / row["d1_loop_ms"]
-    row["snap_over_d1"] = row["snap_loop_ms"] / row["d1_loop_ms"]
-    del state1
-    if self.fla is not None:
-      fla_step = self.fla_step_fn(x, self.inputs(N, HV, D, S, seed=6)[1], slots)
-      row["fla_graph_ms"] = common.time_torch_graph(fla_step, steps=self.loop_steps)
-      row["replay_over_fla_graph"] = row["replay_loop_ms"] / row["fla_graph_ms"]
-      del fla_step
-    common.free_device_memory()
+    self.yardsticks(row, N, HV, D, S, x, slots, "replay", ("replay", "snap"))
 
   def sweep_shape(self, results, N, HV, D, bvs, warps, stages, budget):
     """Every (BV, num_warps, num_stages) at one shape: 16 steps from the same cache, against the
