@@ -153,6 +153,39 @@ def _identity_tile(i_t, o_k, o_v, mask_v):
 
 
 @triton.jit
+def _summary_columns(i_v, o_k, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr):
+  """The columns of column block i_v of a split scan's summary (docs/algorithm.md §13.3), which
+  walks [I | 0] through a piece to get its affine map [M | E] (K x (K+V)): blocks
+  0 .. ceil(K/BV)-1 carry columns of M (K of them), started from the identity and walked without
+  the chunks' own terms; the blocks after them carry columns of E (V of them), started from zero
+  and walked with those terms. Both scans use it: the forward's terms are the values, the
+  backward's q~, do~ and P^T do~.
+
+  Returns local (a block of E), o_v (its columns within M or E), mask_v (the columns that
+  exist), mask_l (the columns that take the chunks' own terms) and the state's four 64-row
+  float32 tiles at the start (tiles past K are zeros, compiled out of every use)."""
+  # The scalar flag enters the masks as a bound (the interpreter mistypes a block mask & a
+  # scalar one).
+  NKB: tl.constexpr = (K + BV - 1) // BV
+  local = i_v >= NKB
+  o_v = tl.where(local, i_v - NKB, i_v) * BV + tl.arange(0, BV)
+  mask_v = o_v < tl.where(local, V, K)
+  mask_l = o_v < tl.where(local, V, 0)
+  mask_i = o_v < tl.where(local, 0, K)
+  b_h1 = _identity_tile(0, o_k, o_v, mask_i)
+  b_h2 = tl.zeros_like(b_h1)
+  b_h3 = tl.zeros_like(b_h1)
+  b_h4 = tl.zeros_like(b_h1)
+  if K > 64:
+    b_h2 = _identity_tile(1, o_k, o_v, mask_i)
+  if K > 128:
+    b_h3 = _identity_tile(2, o_k, o_v, mask_i)
+  if K > 192:
+    b_h4 = _identity_tile(3, o_k, o_v, mask_i)
+  return local, o_v, mask_v, mask_l, b_h1, b_h2, b_h3, b_h4
+
+
+@triton.jit
 def chunk_h_fwd_kernel(
     # inputs
     k,              # [T*M, H, K] expanded-stream keys
@@ -230,22 +263,8 @@ def chunk_h_fwd_kernel(
   b_h3 = tl.zeros([64, BV], dtype=tl.float32)
   b_h4 = tl.zeros([64, BV], dtype=tl.float32)
   if SUMMARY:
-    # Blocks below NKB carry columns of M_p (K of them, from the identity, values off), the
-    # others columns of E_p (V of them, from zero, values on). The scalar flag enters the
-    # masks as a bound (the interpreter mistypes a block mask & a scalar one).
-    NKB: tl.constexpr = (K + BV - 1) // BV
-    local = i_v >= NKB
-    o_v = tl.where(local, i_v - NKB, i_v) * BV + tl.arange(0, BV)
-    mask_v = o_v < tl.where(local, V, K)
-    mask_l = o_v < tl.where(local, V, 0)
-    mask_i = o_v < tl.where(local, 0, K)
-    b_h1 = _identity_tile(0, o_k, o_v, mask_i)
-    if K > 64:
-      b_h2 = _identity_tile(1, o_k, o_v, mask_i)
-    if K > 128:
-      b_h3 = _identity_tile(2, o_k, o_v, mask_i)
-    if K > 192:
-      b_h4 = _identity_tile(3, o_k, o_v, mask_i)
+    # M_p's columns from the identity with the values off, E_p's from zero with them.
+    local, o_v, mask_v, mask_l, b_h1, b_h2, b_h3, b_h4 = _summary_columns(i_v, o_k, K, V, BV)
 
   if HAS_STATE_INDICES:
     i_s = tl.load(state_indices + i_n).to(tl.int64)

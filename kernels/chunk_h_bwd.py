@@ -43,7 +43,7 @@ Grid: (N * HV, ceil(V / BV), NP), as the forward scan with a piece axis; with SU
 import triton
 import triton.language as tl
 
-from .chunk_h import _identity_tile, _load_state, _row_tile, _store_state
+from .chunk_h import _load_state, _row_tile, _store_state, _summary_columns
 
 
 @triton.jit
@@ -127,22 +127,9 @@ def chunk_h_bwd_kernel(
   b_dh4 = tl.zeros([64, BV], dtype=tl.float32)
   mask_l = mask_v   # the columns that see the chunks' own terms (q~, do~, P^T do~)
   if SUMMARY:
-    # Blocks below NKB carry columns of Pi (K of them, from the identity, without the chunks'
-    # own terms), the others columns of E (V of them, from zero, with them). The scalar flag
-    # enters the masks as a bound (the interpreter mistypes a block mask & a scalar one).
-    NKB: tl.constexpr = (K + BV - 1) // BV
-    local = i_v >= NKB
-    o_v = tl.where(local, i_v - NKB, i_v) * BV + tl.arange(0, BV)
-    mask_v = o_v < tl.where(local, V, K)
-    mask_l = o_v < tl.where(local, V, 0)
-    mask_i = o_v < tl.where(local, 0, K)
-    b_dh1 = _identity_tile(0, o_k, o_v, mask_i)
-    if K > 64:
-      b_dh2 = _identity_tile(1, o_k, o_v, mask_i)
-    if K > 128:
-      b_dh3 = _identity_tile(2, o_k, o_v, mask_i)
-    if K > 192:
-      b_dh4 = _identity_tile(3, o_k, o_v, mask_i)
+    # Pi's columns from the identity without the chunks' own terms, E's from zero with them.
+    local, o_v, mask_v, mask_l, b_dh1, b_dh2, b_dh3, b_dh4 = _summary_columns(
+        i_v, o_k, K, V, BV)
   if USE_DHT:
     b_dh1, b_dh2, b_dh3, b_dh4 = _load_state(
         dht + ((i_n.to(tl.int64) * NP + i_p) * HV + i_hv) * (K * V), o_k, o_v, mask_v, K, V)
