@@ -146,6 +146,21 @@ def _rows_dot_state(p, row, mask_r, b_h1, b_h2, b_h3, b_h4, o_k, STRIDE: tl.cons
 
 
 @triton.jit
+def _zero_state(i_v, V: tl.constexpr, BV: tl.constexpr):
+  """Column block i_v of a [K, V] state at zero: o_k (the rows of a 64-row tile), o_v and
+  mask_v (the block's columns), and four 64 x BV float32 zero tiles (those past K are compiled
+  out of every use)."""
+  o_k = tl.arange(0, 64)
+  o_v = i_v * BV + tl.arange(0, BV)
+  mask_v = o_v < V
+  b_h1 = tl.zeros([64, BV], dtype=tl.float32)
+  b_h2 = tl.zeros([64, BV], dtype=tl.float32)
+  b_h3 = tl.zeros([64, BV], dtype=tl.float32)
+  b_h4 = tl.zeros([64, BV], dtype=tl.float32)
+  return o_k, o_v, mask_v, b_h1, b_h2, b_h3, b_h4
+
+
+@triton.jit
 def _identity_tile(i_t, o_k, o_v, mask_v):
   """Rows 64*i_t .. 64*i_t + 63 of the identity, columns o_v (zeros where mask_v is off)."""
   o = i_t * 64 + o_k
@@ -254,14 +269,8 @@ def chunk_h_fwd_kernel(
   e_hi = tl.minimum(e_lo + piece, n_x)
   last = i_p == n_pieces - 1
 
-  o_k = tl.arange(0, 64)
-  o_v = i_v * BV + tl.arange(0, BV)
-  mask_v = o_v < V
+  o_k, o_v, mask_v, b_h1, b_h2, b_h3, b_h4 = _zero_state(i_v, V, BV)
   mask_l = mask_v   # the columns that read values
-  b_h1 = tl.zeros([64, BV], dtype=tl.float32)
-  b_h2 = tl.zeros([64, BV], dtype=tl.float32)
-  b_h3 = tl.zeros([64, BV], dtype=tl.float32)
-  b_h4 = tl.zeros([64, BV], dtype=tl.float32)
   if SUMMARY:
     # M_p's columns from the identity with the values off, E_p's from zero with them.
     local, o_v, mask_v, mask_l, b_h1, b_h2, b_h3, b_h4 = _summary_columns(i_v, o_k, K, V, BV)
@@ -437,13 +446,7 @@ def chunk_h_chain_kernel(
   if skip:
     return
 
-  o_k = tl.arange(0, 64)
-  o_v = i_v * BV + tl.arange(0, BV)
-  mask_v = o_v < V
-  b_h1 = tl.zeros([64, BV], dtype=tl.float32)
-  b_h2 = tl.zeros([64, BV], dtype=tl.float32)
-  b_h3 = tl.zeros([64, BV], dtype=tl.float32)
-  b_h4 = tl.zeros([64, BV], dtype=tl.float32)
+  o_k, o_v, mask_v, b_h1, b_h2, b_h3, b_h4 = _zero_state(i_v, V, BV)
   if USE_INITIAL_STATE:
     b_h1, b_h2, b_h3, b_h4 = _load_state(h0 + i_s * stride_s + i_hv * stride_hv, o_k, o_v,
                                          mask_v, K, V)

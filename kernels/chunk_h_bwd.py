@@ -43,7 +43,7 @@ Grid: (N * HV, ceil(V / BV), NP), as the forward scan with a piece axis; with SU
 import triton
 import triton.language as tl
 
-from .chunk_h import _load_state, _row_tile, _store_state, _summary_columns
+from .chunk_h import _load_state, _row_tile, _store_state, _summary_columns, _zero_state
 
 
 @triton.jit
@@ -117,14 +117,8 @@ def chunk_h_bwd_kernel(
   e_lo = tl.minimum(i_p * n_piece, n_x)
   e_hi = tl.minimum(e_lo + n_piece, n_x)
 
-  o_k = tl.arange(0, 64)
-  o_v = i_v * BV + tl.arange(0, BV)
-  mask_v = o_v < V
+  o_k, o_v, mask_v, b_dh1, b_dh2, b_dh3, b_dh4 = _zero_state(i_v, V, BV)
   o_a = tl.arange(0, BT)
-  b_dh1 = tl.zeros([64, BV], dtype=tl.float32)
-  b_dh2 = tl.zeros([64, BV], dtype=tl.float32)
-  b_dh3 = tl.zeros([64, BV], dtype=tl.float32)
-  b_dh4 = tl.zeros([64, BV], dtype=tl.float32)
   mask_l = mask_v   # the columns that see the chunks' own terms (q~, do~, P^T do~)
   if SUMMARY:
     # Pi's columns from the identity without the chunks' own terms, E's from zero with them.
