@@ -193,7 +193,8 @@ def _fused_recurrent_fwd(q, k, v, g, beta, *, dims, backend, config, scale, init
       USE_INITIAL_STATE=initial_state is not None, STORE_FINAL_STATE=store_final,
       HAS_STATE=has_state, HAS_STATE_INDICES=state_indices is not None,
       STORE_INTERMEDIATE=has_inter, IS_VARLEN=cu_seqlens is not None,
-      HAS_NUM_ACCEPTED=num_accepted is not None and not replay, HAS_REPLAY=replay)
+      HAS_NUM_ACCEPTED=num_accepted is not None and not replay, HAS_REPLAY=replay,
+      BT=_configs.replay_block_rows(T, K, config, (q.dtype, k.dtype, v.dtype)) if replay else 0)
   if replay:
     return o, new_state
   if cu_seqlens is not None:

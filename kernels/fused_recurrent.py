@@ -96,6 +96,7 @@ def fused_recurrent_fwd_kernel(
     IS_VARLEN: tl.constexpr,
     HAS_NUM_ACCEPTED: tl.constexpr,
     HAS_REPLAY: tl.constexpr,
+    BT: tl.constexpr,       # > 0: the replay step's new tokens in block form, BT >= T rows
 ):
   i_v, i_n, i_hv, i_h = decode_program(triton.cdiv(V, BV), HV, H)
 
@@ -176,6 +177,11 @@ def fused_recurrent_fwd_kernel(
     b_h = tl.load(h0 + (i_n.to(tl.int64) * HV + i_hv) * K * V + p_kv, mask=mask_h,
                   other=0.).to(tl.float32)
 
+  if BT > 0:
+    replay_new_tokens(b_h, q, k, v, g, beta, o, bos, T, scale, i_h, i_hv, o_k, o_v, mask_k,
+                      mask_v, H, HV, K, V, BT, USE_G, USE_BETA, IS_BETA_HEADWISE, USE_QK_L2NORM)
+    return
+
   for s in range(0, eos - bos):
     t = bos + s
     b_q = tl.load(q + (t * H + i_h) * K + o_k, mask=mask_k, other=0.).to(tl.float32)
@@ -212,3 +218,75 @@ def fused_recurrent_fwd_kernel(
   elif STORE_FINAL_STATE:
     tl.store(ht + (i_n.to(tl.int64) * HV + i_hv) * K * V + p_kv, b_h, mask=mask_h)
 
+
+@triton.jit
+def replay_new_tokens(b_h, q, k, v, g, beta, o, bos, T, scale, i_h, i_hv, o_k, o_v, mask_k,
+                      mask_v, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
+                      V: tl.constexpr, BT: tl.constexpr, USE_G: tl.constexpr,
+                      USE_BETA: tl.constexpr, IS_BETA_HEADWISE: tl.constexpr,
+                      USE_QK_L2NORM: tl.constexpr):
+  """The outputs of the replay step's T new steps from the checkpoint b_h, in block (WY) form
+  (docs/algorithm.md §13.4): no state after the checkpoint is needed, so only the [T, BV]
+  forward substitution is serial, and the two products over K run on 16-bit tensor cores.
+
+  With G_s the inclusive cumsum of g, S0 = b_h and c_sr = exp(G_s - G_r), the token loop's
+  d_s = beta_s (v_s - exp(G_s) S0^T k_s - sum_{r<s} c_sr (k_s.k_r) d_r),
+  o_s = scale (exp(G_s) S0^T q_s + sum_{r<=s} c_sr (q_s.k_r) d_r).
+  Rows i of the [2 BT] block W: i < BT is step i's key, BT + s is step s's query; past T, zero.
+  W S0 and W W^T are bfloat16 dots (S0 rounded to bfloat16, float32 accumulation): the outputs
+  leave in the inputs' 16-bit dtype, and the checkpoint was stored from b_h before this.
+  """
+  o_i = tl.arange(0, 2 * BT)
+  s_i = o_i % BT
+  is_k = o_i < BT
+  live = s_i < T
+  t_i = bos + s_i
+  p_w = (t_i * H + i_h)[:, None] * K + o_k[None, :]
+  m_w = live[:, None] & mask_k[None, :]
+  b_w = tl.where(is_k[:, None], tl.load(k + p_w, mask=m_w & is_k[:, None], other=0.),
+                 tl.load(q + p_w, mask=m_w & ~is_k[:, None], other=0.))
+  b_x = tl.dot(b_w, b_h.to(tl.bfloat16))              # [2 BT, BV]: S0^T k_s, S0^T q_s
+  b_a = tl.dot(b_w, tl.trans(b_w))                    # [2 BT, 2 BT]: k_s.k_r, q_s.k_r
+  o_j = tl.arange(0, 2 * BT)
+  if USE_QK_L2NORM:
+    # The rows' norms from the diagonal of the Gram matrix, applied to the products: a float32
+    # copy of W to normalise cost 15 registers (143 against 128, sm_90), and the dots keep
+    # the inputs' own bits.
+    diag = o_i[:, None] == o_j[None, :]
+    r_i = 1. / tl.sqrt(tl.sum(tl.where(diag, b_a, 0.), 1) + 1e-6)
+    r_j = 1. / tl.sqrt(tl.sum(tl.where(diag, b_a, 0.), 0) + 1e-6)
+    b_x *= r_i[:, None]
+    b_a *= r_i[:, None] * r_j[None, :]
+
+  # G_i: the decays of steps 0..s_i, summed over the key rows.
+  b_gk = tl.zeros([2 * BT], dtype=tl.float32)
+  if USE_G:
+    b_gk = tl.load(g + (bos + o_j) * HV + i_hv, mask=(o_j < BT) & (o_j < T), other=0.)
+  b_gc = tl.sum(tl.where(o_j[None, :] <= s_i[:, None], b_gk[None, :], 0.), 1)
+  # Row i takes key column r < s_i (a key row) or r <= s_i (a query row); key rows enter with
+  # a minus sign (the residual), query rows with the scale.
+  causal = o_j[None, :] < tl.where(is_k, s_i, s_i + 1)[:, None]
+  f_i = tl.where(is_k, -1., scale)
+  b_c = tl.where(causal, f_i[:, None] * tl.exp(tl.where(causal, b_gc[:, None] - b_gc[None, :],
+                                                        0.)) * b_a, 0.)
+  # U starts as v_s - exp(G_s) S0^T k_s (key rows) and scale exp(G_s) S0^T q_s (query rows);
+  # step s reads d_s = beta_s U[s], final once the steps r < s are in, and adds C[:, s] d_s.
+  p_v = (t_i * HV + i_hv)[:, None] * V + o_v[None, :]
+  m_v = (is_k & live)[:, None] & mask_v[None, :]
+  b_u = tl.load(v + p_v, mask=m_v, other=0.).to(tl.float32)
+  b_u += (f_i * tl.exp(b_gc))[:, None] * b_x
+  if USE_BETA:
+    if IS_BETA_HEADWISE:
+      b_b = tl.load(beta + t_i * HV + i_hv, mask=is_k & live, other=0.).to(tl.float32)[:, None]
+    else:
+      b_b = tl.load(beta + p_v, mask=m_v, other=0.).to(tl.float32)
+  for s in range(0, T):
+    row = o_i[:, None] == s
+    if USE_BETA:
+      b_d = tl.sum(tl.where(row, b_b * b_u, 0.), 0)
+    else:
+      b_d = tl.sum(tl.where(row, b_u, 0.), 0)
+    b_cs = tl.sum(tl.where(o_j[None, :] == s, b_c, 0.), 1)
+    b_u += b_cs[:, None] * b_d[None, :]
+  tl.store(o + p_v, b_u.to(o.dtype.element_ty),
+           mask=(~is_k & live)[:, None] & mask_v[None, :])

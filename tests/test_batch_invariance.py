@@ -90,6 +90,12 @@ def test_replay_batch_invariance():
   check_decode_invariance(5, (0, 3), 3, 2, 1, 2, 8, 24, "float32", KERNEL_BACKEND, replay=True)
 
 
+def test_replay_block_form_batch_invariance():
+  """bfloat16 at BV 16 (two V blocks): the new tokens' outputs in block form."""
+  check_decode_invariance(5, (0, 3), 3, 2, 1, 2, 16, 32, "bfloat16", KERNEL_BACKEND,
+                          replay=True)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("N", [2, 64, 256])
 @pytest.mark.parametrize("D,spec,dtype", [(1, False, "bfloat16"), (4, False, "float32"),
@@ -103,6 +109,13 @@ def test_decode_batch_invariance_gpu(N, D, spec, dtype):
 @pytest.mark.parametrize("N", [2, 64, 256])
 def test_replay_batch_invariance_gpu(N):
   check_decode_invariance(N, sorted({0, N // 2, N - 1}), 4, 2, 16, 16, 128, 128, "float32",
+                          "triton", replay=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("N", [2, 64, 256])
+def test_replay_block_form_batch_invariance_gpu(N):
+  check_decode_invariance(N, sorted({0, N // 2, N - 1}), 4, 2, 16, 16, 128, 128, "bfloat16",
                           "triton", replay=True)
 
 

@@ -37,6 +37,7 @@ CASES = [("prefill", "bfloat16", 256, 512, 2), ("prefill", "float32", 256, 512, 
          ("decode", "bfloat16", 256, 512, 4), ("decode", "float32", 256, 512, 4),
          ("speculative", "bfloat16", 256, 512, 4),
          ("replay", "bfloat16", 256, 512, 4), ("replay", "float32", 128, 128, 4),
+         ("replay", "bfloat16", 128, 128, 4),  # the new tokens in block form (tensor cores)
          ("commit", "bfloat16", 256, 512, 4),
          ("train", "bfloat16", 256, 512, 2), ("train", "float32", 256, 512, 2),
          ("train", "bfloat16", 128, 128, 16), ("train", "bfloat16", 128, 128, 1),
