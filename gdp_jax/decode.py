@@ -250,7 +250,9 @@ def gated_delta_product_decode(q, k, v, g, beta, *, num_householder, state, stat
       nothing), then runs its D draft tokens from there, writing outputs only: one state read
       and one write per step whatever D. The new ring holds this step's k, v, g, beta (cast to
       the ring's dtypes) at the live slots; `commit_replay` folds accepted tokens into the
-      cache when speculation ends.
+      cache when speculation ends. With bfloat16 q, k, v and D*M <= 8 the new tokens' outputs
+      come from a bfloat16 copy of the checkpoint (block form, docs/api.md): within bf16
+      rounding of commit_replay followed by the plain step, not bitwise.
     scale: query scale; None means K ** -0.5.
     use_qk_l2norm_in_kernel: normalise q and k rows in float32 (a zero query stays zero).
     config: a `gdp_jax._configs.DecodeConfig`, or None for the one picked from K and V.

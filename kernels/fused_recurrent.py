@@ -31,7 +31,9 @@ result as the new checkpoint, then walks its T new steps storing outputs only: o
 and at most one state write, whatever the draft length. Ring g holds one decay per
 RING_G_STEPS rows (M for Gated Delta Product: one per draft token, on its first copy). The
 kernel only reads the ring; the caller writes the new rows after it. T = 0 is the commit: the
-replay and the checkpoint, no outputs.
+replay and the checkpoint, no outputs. With BT > 0 (bfloat16 inputs, `replay_block_rows` in
+gdp_jax/_configs.py) the T new steps' outputs come from the checkpoint in block form instead of
+the token loop (`replay_new_tokens`): the replay and the checkpoint stay as they are.
 
 Parameters are ordered inputs, outputs, constexprs (jax_triton.triton_call appends one pointer
 per output after the inputs). Optional inputs arrive as placeholders switched off by a flag,
