@@ -15,7 +15,7 @@ kernels the variants touch beside the default's.
 Usage (GPU, repository root on PYTHONPATH):
   python3 benchmarks/train_profile.py [--rows 0,4] [--variant o_bk=128,o_warps=8] [--top 16]
   python3 benchmarks/train_profile.py --smoke --variant o_bk=128   # CPU: interpreter, tiny rows
-  python3 benchmarks/train_profile.py --dtype float32 --variant f32_precision=tf32x3
+  python3 benchmarks/train_profile.py --dtype float32 --variant f32_precision=ieee
 
 --dtype float32 casts the bf16 inputs to float32; there f32_precision (the dots' precision,
 docs/performance.md "Compile time") is set for the forward rule's kernels too.
@@ -44,7 +44,7 @@ def parse_variant(text: str) -> dict:
     if name not in _prefill_bwd.BwdConfig._fields:
       raise SystemExit(f"--variant: {name!r} is not a BwdConfig field "
                        f"({', '.join(_prefill_bwd.BwdConfig._fields)})")
-    out[name] = int(value) if value.lstrip("-").isdigit() else value  # f32_precision=tf32x3
+    out[name] = int(value) if value.lstrip("-").isdigit() else value  # f32_precision=ieee
   return out
 
 

@@ -96,9 +96,9 @@ class BwdConfig(NamedTuple):
   # With HV == H, chunk_wy_bwd finishes dk (norm backward, cast, zero tail) instead of writing
   # float32 rows for qk_bwd (0: the qk_bwd path, kept to time the two against each other).
   finish_dk: int = 1
-  # The dots on float32 inputs, as FwdConfig.f32_precision ("ieee" or "tf32x3"); the forward
+  # The dots on float32 inputs, as FwdConfig.f32_precision ("tf32x3" or "ieee"); the forward
   # rule's kernels take _Static.fwd_config's.
-  f32_precision: str = "ieee"
+  f32_precision: str = "tf32x3"
 
 
 class _Static(NamedTuple):

@@ -71,12 +71,12 @@ class FwdConfig(NamedTuple):
   # 0.702 / 0.786 / 0.531 ms at B=8 T=4096 H=32 and 0.100 / 0.114 / 0.079 ms at B=1 T=8192;
   # ptxas: tf32x3 at one warp has no spills where ieee spills 840 B.
   solve_precision: str = "tf32x3"
-  # Every dot of every kernel (the solve's and the chain's included) on float32 inputs: "ieee"
-  # (exact float32 products on the CUDA cores, which Triton unrolls into FMA loops: up to
-  # minutes of compilation per kernel, docs/performance.md "Compile time") or "tf32x3" (three
-  # TF32 tensor-core products, float32-level accuracy, docs/algorithm.md §4.5). BwdConfig has
-  # the same field.
-  f32_precision: str = "ieee"
+  # Every dot of every kernel (the solve's and the chain's included) on float32 inputs:
+  # "tf32x3" (three TF32 tensor-core products, float32-level accuracy, docs/algorithm.md §4.5;
+  # every float32 GPU test passes under it on the H200) or "ieee" (exact float32 products on
+  # the CUDA cores, which Triton unrolls into FMA loops: 5.4x the compile time, up to minutes
+  # per kernel, docs/performance.md "Compile time"). BwdConfig has the same field.
+  f32_precision: str = "tf32x3"
   # Stage 5 (with stage 4 inside): 4 warps, 3 stages (the next chunk's tiles load while this
   # one computes): 0.115 against 0.199 ms (8 warps, 2 stages) at B=4 H=16, 0.94 against 1.44 ms
   # at B=8 H=32, 0.41 against 0.63 ms at K=256. BV 64 when the state fits (K up to 128: two

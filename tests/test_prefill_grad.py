@@ -191,11 +191,11 @@ def test_prefill_grads(c):
   check_grads(c, KERNEL_BACKEND)
 
 
-# The float32 cases again under three TF32 tensor-core products per dot (the configs'
-# f32_precision; docs/algorithm.md §4.5), within the same float32 tolerances.
-TF32X3 = (_prefill_bwd.BwdConfig(f32_precision="tf32x3"), pk.FwdConfig(f32_precision="tf32x3"))
+# The float32 cases again with exact float32 products ("ieee": FMA loops on the CUDA cores;
+# the default is "tf32x3", docs/algorithm.md §4.5), within the same float32 tolerances.
+IEEE = (_prefill_bwd.BwdConfig(f32_precision="ieee"), pk.FwdConfig(f32_precision="ieee"))
 GPU_CONFIGS = ([pytest.param(c, None, id=c.id) for c in GPU_CASES]
-               + [pytest.param(c, TF32X3, id=f"{c.id}-tf32x3") for c in GPU_CASES
+               + [pytest.param(c, IEEE, id=f"{c.id}-ieee") for c in GPU_CASES
                   if c.dtype == "float32"])
 
 
@@ -210,7 +210,7 @@ def test_f32_precision_reaches_every_kernel(monkeypatch, dtype):
   """f32_precision (BwdConfig's, and FwdConfig's for the forward rule) sets the dot precision
   of every kernel of a training step on float32 inputs, and changes no launch on 16-bit ones.
   Traced only (eval_shape): the interpreter computes every dot in float32 whatever the
-  precision, so the GPU test above is what checks tf32x3's accuracy."""
+  precision, so the GPU test above is what checks each precision's accuracy."""
   call = _prefill_bwd._launch.call
 
   def launches(config):
@@ -226,17 +226,17 @@ def test_f32_precision_reaches_every_kernel(monkeypatch, dtype):
     jax.eval_shape(lambda x: grads(x, cts, kw, KERNEL_BACKEND, config), _cast(c, x))
     return seen
 
-  default, tf32x3 = launches(_prefill_bwd.BwdConfig()), launches(TF32X3)
-  dots = {k for k, p, _, _ in tf32x3 if p is not None}
+  default, ieee = launches(_prefill_bwd.BwdConfig()), launches(IEEE)
+  dots = {k for k, p, _, _ in default if p is not None}
   assert {k.split(".")[0] for k in dots} == {
       "chunk_kkt", "chunk_solve", "chunk_h", "chunk_o", "chunk_dv_bwd", "chunk_h_bwd",
       "chunk_o_bwd", "chunk_wy_bwd"}, dots
   if dtype == "float32":
-    assert {p for _, p, _, _ in default if p is not None} == {"ieee"}
-    assert {p for _, p, _, _ in tf32x3 if p is not None} == {"tf32x3"}
-    assert [x[:1] + x[2:] for x in default] == [x[:1] + x[2:] for x in tf32x3]
+    assert {p for _, p, _, _ in default if p is not None} == {"tf32x3"}
+    assert {p for _, p, _, _ in ieee if p is not None} == {"ieee"}
+    assert [x[:1] + x[2:] for x in default] == [x[:1] + x[2:] for x in ieee]
   else:
-    assert default == tf32x3
+    assert default == ieee
 
 
 # dk finished by chunk_wy_bwd (HV == H) or by qk_bwd: without the L2 norm the same float32 sum

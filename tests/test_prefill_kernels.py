@@ -152,11 +152,11 @@ def test_prefill(c):
   check_prefill(c, KERNEL_BACKEND)
 
 
-# The float32 cases again under three TF32 tensor-core products per dot (FwdConfig's
-# f32_precision; docs/algorithm.md §4.5), within the same float32 tolerances.
-TF32X3 = pk.FwdConfig(f32_precision="tf32x3")
+# The float32 cases again with exact float32 products ("ieee": FMA loops on the CUDA cores;
+# the default is "tf32x3", docs/algorithm.md §4.5), within the same float32 tolerances.
+IEEE = pk.FwdConfig(f32_precision="ieee")
 GPU_CONFIGS = ([pytest.param(c, None, id=c.id) for c in GPU_CASES]
-               + [pytest.param(c, TF32X3, id=f"{c.id}-tf32x3") for c in GPU_CASES
+               + [pytest.param(c, IEEE, id=f"{c.id}-ieee") for c in GPU_CASES
                   if c.dtype == "float32"])
 
 

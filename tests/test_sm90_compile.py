@@ -42,17 +42,16 @@ CASES = [("prefill", "bfloat16", 256, 512, 2), ("prefill", "float32", 256, 512, 
          ("train", "bfloat16", 256, 512, 2), ("train", "float32", 256, 512, 2),
          ("train", "bfloat16", 128, 128, 16), ("train", "bfloat16", 128, 128, 1),
          ("train_packed", "bfloat16", 128, 128, 3)]
-# float32 takes the largest shared-memory tiles at K=256 V=512 (kept above); its "ieee" dots
-# compile for up to a minute per kernel (docs/performance.md, "Compile time"), so the float32
-# variants at K=V=128 and the float32 packed and one-sequence training cases, whose tiles are
-# no larger, are left to the GPU tests.
+# float32 takes the largest shared-memory tiles at K=256 V=512 (kept above): its default dots are
+# three TF32 tensor-core products each (f32_precision "tf32x3"), whose operand tiles sit in shared
+# memory (chunk_o: 229376 B of 232448). The float32 variants at K=V=128 and the float32 packed
+# and one-sequence training cases, whose tiles are no larger, are left to the GPU tests.
 # Training under the chunk_o_bwd variant of BwdConfig that tied the default (only chunk_o_bwd's
 # launch differs), at the benchmark's K=V=128.
 CASES += [("train", "bfloat16", 128, 128, 16, dict(o_bk=128, o_warps=8))]
-# float32 under three TF32 tensor-core products per dot (f32_precision, the forward rule's too):
-# tensor-core operand tiles in shared memory instead of the FMA loops' (chunk_o: 229376 B at
-# K=256 V=512).
-CASES += [("train", "float32", 256, 512, 2, dict(f32_precision="tf32x3"))]
+# float32 with exact products ("ieee", f32_precision's other value, the forward rule's too): FMA
+# loops, which compile for up to a minute per kernel (docs/performance.md, "Compile time").
+CASES += [("train", "float32", 256, 512, 2, dict(f32_precision="ieee"))]
 
 
 def _record_launches(what, dtype, K, V, N, bwd=None):
@@ -259,7 +258,7 @@ def test_every_launch_fits_sm90_shared_memory():
 
 
 def _parse_case(text):
-  """"train,float32,128,128,16[,f32_precision=tf32x3,...]" as a CASES entry."""
+  """"train,float32,128,128,16[,f32_precision=ieee,...]" as a CASES entry."""
   what, dtype, *sizes = text.split(",")
   nums = [int(x) for x in sizes if "=" not in x]
   over = dict(x.split("=", 1) for x in sizes if "=" in x)
@@ -268,5 +267,5 @@ def _parse_case(text):
 
 if __name__ == "__main__":
   # Without arguments every case of CASES; with arguments the cases they name, e.g.
-  # train,float32,128,128,16,f32_precision=tf32x3 (time compiles with an empty TRITON_CACHE_DIR).
+  # train,float32,128,128,16,f32_precision=ieee (time compiles with an empty TRITON_CACHE_DIR).
   main([_parse_case(a) for a in sys.argv[1:]] or CASES)
