@@ -229,14 +229,14 @@ def replay_new_tokens(b_h, q, k, v, g, beta, o, bos, T, scale, i_h, i_hv, o_k, o
                       USE_QK_L2NORM: tl.constexpr):
   """The outputs of the replay step's T new steps from the checkpoint b_h, in block (WY) form
   (docs/algorithm.md §13.4): no state after the checkpoint is needed, so only the [T, BV]
-  forward substitution is serial, and the two products over K run on 16-bit tensor cores.
+  forward substitution is serial, and the two products over K run on bfloat16 tensor cores.
 
   With G_s the inclusive cumsum of g, S0 = b_h and c_sr = exp(G_s - G_r), the token loop's
   d_s = beta_s (v_s - exp(G_s) S0^T k_s - sum_{r<s} c_sr (k_s.k_r) d_r),
   o_s = scale (exp(G_s) S0^T q_s + sum_{r<=s} c_sr (q_s.k_r) d_r).
   Rows i of the [2 BT] block W: i < BT is step i's key, BT + s is step s's query; past T, zero.
   W S0 and W W^T are bfloat16 dots (S0 rounded to bfloat16, float32 accumulation): the outputs
-  leave in the inputs' 16-bit dtype, and the checkpoint was stored from b_h before this.
+  leave in bfloat16, and the checkpoint was stored from b_h before this.
   """
   o_i = tl.arange(0, 2 * BT)
   s_i = o_i % BT
@@ -263,7 +263,7 @@ def replay_new_tokens(b_h, q, k, v, g, beta, o, bos, T, scale, i_h, i_hv, o_k, o
   # G_i: the decays of steps 0..s_i, summed over the key rows.
   b_gk = tl.zeros([2 * BT], dtype=tl.float32)
   if USE_G:
-    b_gk = tl.load(g + (bos + o_j) * HV + i_hv, mask=(o_j < BT) & (o_j < T), other=0.)
+    b_gk = tl.load(g + (bos + o_j) * HV + i_hv, mask=o_j < T, other=0.)
   b_gc = tl.sum(tl.where(o_j[None, :] <= s_i[:, None], b_gk[None, :], 0.), 1)
   # Row i takes key column r < s_i (a key row) or r <= s_i (a query row); key rows enter with
   # a minus sign (the residual), query rows with the scale.
