@@ -154,10 +154,12 @@ class Bench:
         beta=jax.nn.sigmoid(jax.random.normal(ks[4], (B, T * M, H), jnp.float32)).astype(bf16),
     )
 
-  def ours_fn(self, M, fn=None, backend=None):
+  def ours_fn(self, M, fn=None, backend=None, config=None):
     jax = self.jax
     fn = fn or self.gdp_jax.chunk_gated_delta_product
     kw = {} if backend is None else dict(backend=backend)
+    if config is not None:
+      kw["config"] = config
 
     def f(q, k, v, g, beta, cu_seqlens=None):
       return fn(q, k, v, g, beta, num_householder=M, output_final_state=True,
@@ -291,20 +293,10 @@ class Bench:
       common.print_profile(f"jla {row_name(row)}", prof, per=3)
 
   def variant_columns(self, row, args, M, o):
-    """Ours under the --variant config overrides, passed as the forward's static `config`
-    (the public entry point takes the default); its output against the default config's."""
-    from gdp_jax import _prefill_kernels as pk
-    config = pk.FwdConfig()._replace(**self.variant)
-    K = args[0].shape[-1]
-
-    def forward(q, k, v, g, beta, cu_seqlens):
-      return pk._chunk_gated_delta_product_fwd(
-          q, k, v, g, beta, num_householder=M, scale=K ** -0.5, initial_state=None,
-          output_final_state=True, use_qk_l2norm_in_kernel=True, cu_seqlens=cu_seqlens, state=None,
-          state_indices=None, return_chunk_states=False, chunk_states_dtype=None,
-          backend=self.backend, config=config)
-
-    f = self.jax.jit(forward)
+    """Ours under the --variant config overrides (the public `config=`); its output against
+    the default config's."""
+    config = self.gdp_jax.FwdConfig()._replace(**self.variant)
+    f = self.ours_fn(M, backend=self.backend, config=config)
     ov, _ = f(*args)
     self.jax.block_until_ready(ov)
     row["variant_err_o"] = common.rel_err(ov, o)

@@ -4,11 +4,17 @@ Entry points: `chunk_gated_delta_product` (prefill), `fused_recurrent_gated_delt
 decode step), `gated_delta_product_decode`, `accept_draft_tokens` and `commit_replay` (decode
 with draft tokens), `gated_delta_product_decode_prepare` (gates and Householder fold for the
 decode step in one launch), `chunk_offsets` (where each packed sequence's chunk states start),
-and `reference`, the pure jax.numpy twins of all of them. `UntestedVersionsWarning` is the warning the GPU path gives once
-on package versions other than those its test suite passed with (`gdp_jax._versions.TESTED`).
+and `reference`, the pure jax.numpy twins of all of them. `FwdConfig` and `BwdConfig` (the
+prefill's `config=` and `bwd_config=`) and `DecodeConfig` (the decode entry points' `config=`)
+hold the kernels' tiles, warps and splits. `UntestedVersionsWarning` is the warning the GPU
+path gives once on package versions other than those its test suite passed with
+(`gdp_jax._versions.TESTED`).
 """
 from importlib import metadata as _metadata
 
+from gdp_jax._configs import DecodeConfig
+from gdp_jax._prefill_bwd import BwdConfig
+from gdp_jax._prefill_kernels import FwdConfig
 from gdp_jax.decode import (accept_draft_tokens, commit_replay,
                             fused_recurrent_gated_delta_rule, gated_delta_product_decode)
 from gdp_jax._versions import UntestedVersionsWarning
@@ -21,6 +27,9 @@ except _metadata.PackageNotFoundError:  # imported from a source tree that was n
   __version__ = "unknown"
 
 __all__ = [
+    "BwdConfig",
+    "DecodeConfig",
+    "FwdConfig",
     "UntestedVersionsWarning",
     "__version__",
     "accept_draft_tokens",

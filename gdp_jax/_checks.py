@@ -18,6 +18,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from gdp_jax._configs import DecodeConfig
+from gdp_jax._prefill_bwd import BwdConfig
+from gdp_jax._prefill_kernels import F32_PRECISIONS, FwdConfig
+
 MAX_K = 256
 
 # Queries, keys, values, decays, beta, initial_state and the gate inputs of the decode prepare.
@@ -354,9 +358,81 @@ def _expanded_stream(q, k, v, g, beta, M, batch, tokens, token):
   return B, T, H, K, HV, V
 
 
+def _int_rule(what, ok):
+  # True == 1 passes isinstance(x, int): a bool is refused wherever an int is meant.
+  return what, lambda x: isinstance(x, int) and not isinstance(x, bool) and ok(x)
+
+
+def _pow2(lo):
+  return _int_rule(f"a power of two >= {lo}", lambda x: x >= lo and x & (x - 1) == 0)
+
+
+def _choice(*values):
+  return f"one of {', '.join(map(repr, values))}", lambda x: isinstance(x, str) and x in values
+
+
+# What each field of a kernel config may hold, as (what is expected, test). Tile extents go to
+# tl.arange, which takes powers of two; in the chunked kernels they are dot operand extents too,
+# and tl.dot's smallest is 16. Triton refuses warps other than powers of two, and a program has at
+# most 1024 threads (32 warps). Values outside these the kernels cannot compile; values inside
+# may still exceed a GPU's registers or shared memory, which only compiling tells.
+_WARPS = _int_rule("1, 2, 4, 8, 16 or 32", lambda x: x in (1, 2, 4, 8, 16, 32))
+_STAGES = _int_rule("an int >= 1", lambda x: x >= 1)
+_TILE = _pow2(16)
+_PRECISION16 = _choice("tf32x3", "ieee", "tf32")   # dots on 16-bit inputs ("tf32": the default)
+_F32 = _choice(*F32_PRECISIONS)   # float32 inputs: float32-level products only
+_COUNT = _int_rule("an int >= 0", lambda x: x >= 0)
+_POSITIVE = _int_rule("an int >= 1", lambda x: x >= 1)
+_CONFIG_FIELDS = {
+    DecodeConfig: dict(BV=_pow2(1), num_warps=_WARPS, num_stages=_STAGES),
+    FwdConfig: dict(
+        kkt_bk=_TILE, kkt_warps=_WARPS, solve_warps=_WARPS, solve_precision=_PRECISION16,
+        f32_precision=_F32, h_bv_wide=_TILE, h_bv_big_k=_TILE,
+        h_piece=_int_rule("an int >= -1 (-1: from the request's shape, 0: never split, n > 0: "
+                          "pieces of n expanded chunks)", lambda x: x >= -1),
+        h_split_programs=_COUNT, h_chain_precision=_PRECISION16, h_warps=_WARPS,
+        h_stages=_STAGES, h_stages_f32=_STAGES, o_bk=_TILE, o_bv=_TILE, o_warps=_WARPS,
+        o_stages=_STAGES),
+    BwdConfig: dict(
+        h_bv=_TILE, h_bv_big_k=_TILE, h_warps=_WARPS,
+        h_split=_int_rule("an int >= 0 (0: from the number of programs, 1: never split, n > 1: "
+                          "n pieces per sequence)", lambda x: x >= 0),
+        h_split_min_programs=_COUNT, h_split_programs=_POSITIVE, h_split_max=_POSITIVE,
+        o_bk=_TILE, o_bv=_TILE, o_warps=_WARPS, o_stages=_STAGES, wy_warps=_WARPS,
+        # qk_bwd's rows per program, qk_block // BK, must be a power of two too.
+        qk_block=_pow2(16), qk_warps=_WARPS,
+        finish_dk=("0 or 1", lambda x: isinstance(x, int) and x in (0, 1)), f32_precision=_F32),
+}
+
+
+def config_fields(cls) -> tuple[str, ...]:
+  """The field names of a kernel config class (a NamedTuple or a dataclass)."""
+  if dataclasses.is_dataclass(cls):
+    return tuple(f.name for f in dataclasses.fields(cls))
+  return cls._fields
+
+
+def check_config(name, config, cls):
+  """`config`, the argument called `name`, is None or a `cls` (DecodeConfig, FwdConfig or
+  BwdConfig, exported from gdp_jax) whose every field holds a value the kernels can take."""
+  if config is None:
+    return
+  if type(config) is not cls:
+    raise ValueError(f"{name}: expected a gdp_jax.{cls.__name__} or None, got "
+                     f"{type(config).__name__}")
+  rules = _CONFIG_FIELDS[cls]
+  for field in config_fields(cls):
+    value = getattr(config, field)
+    what, ok = rules[field]
+    if not ok(value):
+      raise ValueError(f"{name}: {cls.__name__}.{field}: expected {what}, got {value!r}")
+
+
 def check_prefill(q, k, v, g, beta, *, num_householder, scale, initial_state, cu_seqlens, state,
-                  state_indices, chunk_states_dtype) -> Dims:
+                  state_indices, chunk_states_dtype, config, bwd_config) -> Dims:
   """Checks the arguments of `chunk_gated_delta_product`."""
+  check_config("config", config, FwdConfig)
+  check_config("bwd_config", bwd_config, BwdConfig)
   B, T, H, K, HV, V = _expanded_stream(q, k, v, g, beta, num_householder, "B", "T", "token")
   N = _common_state(B, T, HV, K, V, scale=scale, initial_state=initial_state,
                     cu_seqlens=cu_seqlens, state=state, state_indices=state_indices)

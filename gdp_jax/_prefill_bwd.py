@@ -52,6 +52,8 @@ _BV = 64
 
 class BwdConfig(NamedTuple):
   """Block widths and warps of the backward kernels; pinned (bitwise repeatable gradients).
+  `gdp_jax.chunk_gated_delta_product(..., bwd_config=)` takes one (static: part of every jit
+  cache key; checked by gdp_jax._checks.check_config).
 
   H200, fwd+bwd at B=4 T=2048 H=16 K=V=128 M=2 (row 0) and B=4 T=2048 H=6 K=256 V=512 (row 4),
   bf16, 2026-12-01 (benchmarks/train_profile.py --variants): chunk_h_bwd, which carries a
@@ -114,17 +116,18 @@ class _Static(NamedTuple):
 def chunk_gated_delta_product_train(
     q, k, v, g, beta, *, num_householder, scale, initial_state, output_final_state,
     use_qk_l2norm_in_kernel, cu_seqlens, state, state_indices, return_chunk_states,
-    chunk_states_dtype, backend):
-  """`_prefill_kernels._chunk_gated_delta_product_fwd`, differentiable where it can be."""
+    chunk_states_dtype, backend, config=pk.FwdConfig(), bwd_config=BwdConfig()):
+  """`_prefill_kernels._chunk_gated_delta_product_fwd`, differentiable where it can be: under
+  `config` (the forward's kernels, the forward rule's too) and `bwd_config` (the backward's)."""
   if state is not None or state_indices is not None or return_chunk_states:
     return pk._chunk_gated_delta_product_fwd(
         q, k, v, g, beta, num_householder=num_householder, scale=scale,
         initial_state=initial_state, output_final_state=output_final_state,
         use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, cu_seqlens=cu_seqlens, state=state,
         state_indices=state_indices, return_chunk_states=return_chunk_states,
-        chunk_states_dtype=chunk_states_dtype, backend=backend)
+        chunk_states_dtype=chunk_states_dtype, backend=backend, config=config)
   static = _Static(int(num_householder), float(scale), bool(output_final_state),
-                   bool(use_qk_l2norm_in_kernel), backend)
+                   bool(use_qk_l2norm_in_kernel), backend, bwd_config, config)
   return _prefill(q, k, v, g, beta, initial_state, cu_seqlens, static)
 
 

@@ -46,6 +46,8 @@ from gdp_jax._configs import _next_pow2
 class FwdConfig(NamedTuple):
   """Block sizes and warps of the forward kernels. Pinned, not autotuned: BK and BV set the
   summation order, and repeat runs must be bitwise equal (docs/algorithm.md §10.4).
+  `gdp_jax.chunk_gated_delta_product(..., config=)` takes one (static: part of every jit cache
+  key; checked by gdp_jax._checks.check_config), for the plain and the training forward.
 
   The values are the winners of `benchmarks/prefill_stages.py --sweep` on the H200
   (2026-11-30, docs/performance.md) at B=4 T=2048 H=16 K=V=128 M=2, B=8 T=4096 H=32 and
@@ -233,14 +235,14 @@ def _block(size: int, width: int) -> int:
   return min(width, max(16, _next_pow2(size)))
 
 
+# The precisions a config may give float32 inputs: float32-level products only, so not "tf32"
+# (one TF32 product rounds the operands to 10 bits). Checked by gdp_jax._checks.check_config.
 F32_PRECISIONS = ("ieee", "tf32x3")
 
 
 def _dot_precision(dtype, f32_precision: str, precision16: str = "tf32") -> str:
   """A kernel's DOT_PRECISION: float32 inputs take `f32_precision` (a config's field), 16-bit
   inputs `precision16`; for them "tf32" names the tensor-core default."""
-  if f32_precision not in F32_PRECISIONS:
-    raise ValueError(f"f32_precision must be one of {F32_PRECISIONS}, got {f32_precision!r}")
   return f32_precision if jnp.dtype(dtype) == jnp.float32 else precision16
 
 

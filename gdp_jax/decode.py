@@ -58,7 +58,7 @@ def fused_recurrent_gated_delta_rule(
       new content is this step's k, v, g, beta (cast to the ring's dtypes) at the live slots.
       Not with cu_seqlens or intermediate_states.
     steps_per_token: recurrence steps per draft token (M for folded Gated Delta Product decode).
-    config: a `gdp_jax._configs.DecodeConfig` (the kernel's tile), or None for the one picked
+    config: a `gdp_jax.DecodeConfig` (the kernel's tile), or None for the one picked
       from K and V. Results are bitwise the same for a sequence whatever its batch, under any
       one config.
     backend: "auto", "triton", "reference" or "interpret" (see README).
@@ -124,12 +124,8 @@ def _push_ring(ring, state_indices, rows):
 
 
 def _config(config, dims):
-  if config is None:
-    return _configs.decode_config(dims.K, dims.V)
-  if not isinstance(config, _configs.DecodeConfig):
-    raise ValueError(f"config: expected a gdp_jax._configs.DecodeConfig or None, got "
-                     f"{type(config).__name__}")
-  return config
+  _checks.check_config("config", config, _configs.DecodeConfig)
+  return _configs.decode_config(dims.K, dims.V) if config is None else config
 
 
 def _fused_recurrent_fwd(q, k, v, g, beta, *, dims, backend, config, scale, initial_state,
@@ -255,7 +251,7 @@ def gated_delta_product_decode(q, k, v, g, beta, *, num_householder, state, stat
       rounding of commit_replay followed by the plain step, not bitwise.
     scale: query scale; None means K ** -0.5.
     use_qk_l2norm_in_kernel: normalise q and k rows in float32 (a zero query stays zero).
-    config: a `gdp_jax._configs.DecodeConfig`, or None for the one picked from K and V.
+    config: a `gdp_jax.DecodeConfig`, or None for the one picked from K and V.
     backend: "auto", "triton", "reference" or "interpret".
 
   Returns:
@@ -384,7 +380,7 @@ def commit_replay(state, replay_ring, state_indices, num_accepted, *, steps_per_
     num_accepted: [N] int32 or int64 accepted draft tokens per request, 0..D (0: no change).
     steps_per_token: ring rows per draft token (M for Gated Delta Product).
     use_qk_l2norm_in_kernel: as in the step that filled the ring.
-    config: a `gdp_jax._configs.DecodeConfig`, or None for the one picked from K and V.
+    config: a `gdp_jax.DecodeConfig`, or None for the one picked from K and V.
     backend: "auto", "triton", "reference" or "interpret".
 
   Returns:

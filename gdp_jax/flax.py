@@ -307,6 +307,9 @@ class GatedDeltaProduct(nnx.Module):
     allow_neg_eigval: beta = 2 * sigmoid(b), in (0, 2).
     num_householder: M, rank-1 (Householder) updates per token.
     backend: passed to the gdp_jax entry points ("auto", "triton", "reference", "interpret").
+    prefill_config, prefill_bwd_config: the prefill's `config=` (a `gdp_jax.FwdConfig`) and
+      `bwd_config=` (a `gdp_jax.BwdConfig`), None for the defaults (docs/api.md, "Kernel
+      configs").
     dtype: compute dtype of activations (None: that of the input); the gates are float32.
     param_dtype: dtype of the parameters.
     precision: matmul precision of the projections (jax.lax.Precision), None for the default.
@@ -319,7 +322,8 @@ class GatedDeltaProduct(nnx.Module):
                use_short_conv: bool = True, conv_size: int = 4, conv_bias: bool = False,
                norm_eps: float = 1e-5, use_forget_gate: bool = True,
                allow_neg_eigval: bool = True, num_householder: int = 2, backend: str = "auto",
-               dtype=None, param_dtype=jnp.float32, precision=None, *, rngs: nnx.Rngs):
+               dtype=None, param_dtype=jnp.float32, precision=None, *, prefill_config=None,
+               prefill_bwd_config=None, rngs: nnx.Rngs):
     num_v_heads = num_heads if num_v_heads is None else num_v_heads
     head_v_dim = head_dim * expand_v
     if not float(head_v_dim).is_integer():
@@ -345,6 +349,8 @@ class GatedDeltaProduct(nnx.Module):
     self.use_forget_gate = use_forget_gate
     self.allow_neg_eigval = allow_neg_eigval
     self.backend = backend
+    self.prefill_config = prefill_config
+    self.prefill_bwd_config = prefill_bwd_config
     self.dtype = dtype
     self.param_dtype = param_dtype
     M, HV = num_householder, num_v_heads
@@ -517,7 +523,8 @@ class GatedDeltaProduct(nnx.Module):
         q, k.reshape(B, T * M, *k.shape[3:]), v.reshape(B, T * M, *v.shape[3:]), g,
         beta.reshape(B, T * M, HV), num_householder=M, use_qk_l2norm_in_kernel=True,
         cu_seqlens=cu_seqlens, state=None if cache is None else cache.state,
-        state_indices=slots if cache is not None else None, backend=self.backend)
+        state_indices=slots if cache is not None else None, config=self.prefill_config,
+        bwd_config=self.prefill_bwd_config, backend=self.backend)
     y = self._output(out[0], x)
     if cache is None:
       return y

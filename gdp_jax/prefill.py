@@ -4,12 +4,15 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from gdp_jax import _backends, _checks
+from gdp_jax._prefill_bwd import BwdConfig, chunk_gated_delta_product_train
+from gdp_jax._prefill_kernels import FwdConfig
 
 
 def chunk_gated_delta_product(
     q, k, v, g=None, beta=None, *, num_householder, scale=None, initial_state=None,
     output_final_state=False, use_qk_l2norm_in_kernel=False, cu_seqlens=None, state=None,
-    state_indices=None, return_chunk_states=False, chunk_states_dtype=None, backend="auto"):
+    state_indices=None, return_chunk_states=False, chunk_states_dtype=None, config=None,
+    bwd_config=None, backend="auto"):
   """Gated Delta Product prefill; matches `gdp_jax.reference.chunk_gated_delta_product`.
 
   Per sequence and value head, with state S [K, V] in float32, for each token t:
@@ -40,6 +43,14 @@ def chunk_gated_delta_product(
       rows past the last sequence are 0.
     chunk_states_dtype: dtype of those snapshots; None means the cache dtype, else
       initial_state's, else k's. float32 keeps full precision.
+    config: a `gdp_jax.FwdConfig` (the forward kernels' tiles, warps and scan split, for the
+      plain and the training forward), or None for the defaults. Static: another config is
+      another compiled program. Under any one config a request gets the same bits whatever it
+      is batched with; a config chosen per batch (say `FwdConfig(h_piece=0)`, never split,
+      where the batch fills the GPU) gives up that invariance (docs/api.md, "Kernel configs").
+    bwd_config: a `gdp_jax.BwdConfig` (the backward kernels', under differentiation), or None
+      for the defaults. Both configs are checked on every backend; backend="reference" ignores
+      them.
     backend: "auto", "triton", "reference" or "interpret" (see README).
 
   Returns:
@@ -49,13 +60,15 @@ def chunk_gated_delta_product(
     None.
 
   Raises:
-    ValueError: at trace time, for shapes or dtypes that do not fit the above.
+    ValueError: at trace time, for shapes or dtypes that do not fit the above, or a config
+      of another type or with a field the kernels cannot take.
     NotImplementedError: float64 (or another non-16/32-bit float) keys on a kernel backend.
   """
   dims = _checks.check_prefill(
       q, k, v, g, beta, num_householder=num_householder, scale=scale,
       initial_state=initial_state, cu_seqlens=cu_seqlens, state=state,
-      state_indices=state_indices, chunk_states_dtype=chunk_states_dtype)
+      state_indices=state_indices, chunk_states_dtype=chunk_states_dtype, config=config,
+      bwd_config=bwd_config)
   scale = dims.K ** -0.5 if scale is None else float(scale)
   backend = _backends.resolve(backend)
   arrays = dict(q=q, k=k, v=v, g=g, beta=beta, initial_state=initial_state,
@@ -73,6 +86,8 @@ def chunk_gated_delta_product(
     raise NotImplementedError(
         f"backend={backend!r}: the chunked kernels take bfloat16, float16 or float32 keys, got "
         f"{k.dtype}; cast the inputs, or use backend='reference' for float64")
-  from gdp_jax._prefill_bwd import chunk_gated_delta_product_train
-  return _backends.call_jitted(chunk_gated_delta_product_train, arrays, backend=backend,
-                               **static)
+  # None and the default config are one jit program.
+  return _backends.call_jitted(
+      chunk_gated_delta_product_train, arrays, backend=backend,
+      config=FwdConfig() if config is None else config,
+      bwd_config=BwdConfig() if bwd_config is None else bwd_config, **static)

@@ -193,19 +193,3 @@ def padding(kw, N) -> np.ndarray:
     return np.zeros(N, bool)
   si = np.asarray(kw["state_indices"])
   return (si < 0) | (si >= kw["state"].shape[0])
-
-
-def forward_with(config, a, kw, backend):
-  """The prefill's forward on the kernels under `config` (a FwdConfig), passed as the static
-  argument the benchmarks' sweeps use (the public entry point takes the default config); a,
-  kw: the public entry point's array and keyword arguments."""
-  from gdp_jax import _backends
-  from gdp_jax import _prefill_kernels as pk
-  arrays = dict(a, initial_state=None, cu_seqlens=None, state=None, state_indices=None)
-  static = dict(scale=a["q"].shape[-1] ** -0.5, output_final_state=False,
-                use_qk_l2norm_in_kernel=False, return_chunk_states=False,
-                chunk_states_dtype=None)
-  for n, x in kw.items():
-    (arrays if n in arrays else static)[n] = x
-  return _backends.call_jitted(pk._chunk_gated_delta_product_fwd, arrays, backend=backend,
-                               config=config, **static)

@@ -15,8 +15,7 @@ import pytest
 
 import gdp_jax
 from conftest import KERNEL_BACKEND
-from gdp_jax import _prefill_kernels as pk
-from helpers import bits_equal, forward_with
+from helpers import bits_equal
 
 
 def _requests(rng, N, D, M, H, HV, K, V, dtype):
@@ -128,8 +127,8 @@ def _sequence(rng, L, M, H, HV, K, V):
 
 
 def _prefill(seqs, M, dense, backend, config=None):
-  """The sequences as one dense batch (all of one length) or packed with cu_seqlens; with a
-  FwdConfig, under it (`forward_with`)."""
+  """The sequences as one dense batch (all of one length) or packed with cu_seqlens, under
+  `config` (a FwdConfig; None: the default)."""
   bf16 = jnp.bfloat16
   cat = lambda n, axis: np.concatenate([s[n] for s in seqs], axis)
   axis = 0 if dense else 1
@@ -143,10 +142,7 @@ def _prefill(seqs, M, dense, backend, config=None):
   if not dense:
     cu = np.concatenate([[0], np.cumsum([s["q"].shape[1] for s in seqs])]).astype(np.int32)
     kw["cu_seqlens"] = jnp.asarray(cu)
-  if config is None:
-    o, final, chunks = gdp_jax.chunk_gated_delta_product(**x, **kw, backend=backend)
-  else:
-    o, final, chunks = forward_with(config, x, kw, backend)
+  o, final, chunks = gdp_jax.chunk_gated_delta_product(**x, **kw, config=config, backend=backend)
   return np.asarray(o), np.asarray(final), np.asarray(chunks), cu
 
 
@@ -181,7 +177,7 @@ def test_prefill_batch_invariance(L):
   dense batch the walk is not split at all, packed beside longer ones it runs in the split
   launches) give the same bits alone, in a dense batch and packed."""
   check_prefill_invariance(2, 1, 2, 16, 16, L, [30, 0, L, 130, 1, 64], KERNEL_BACKEND,
-                           config=pk.FwdConfig(h_piece=2))
+                           config=gdp_jax.FwdConfig(h_piece=2))
 
 
 @pytest.mark.gpu

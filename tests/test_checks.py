@@ -197,6 +197,81 @@ def test_version_is_the_installed_distributions():
 
 
 # -------------------------------------------------------------------------------------------------
+# Kernel configs: the type, then every field against what the kernels can take. The prefill
+# checks its configs on every backend (backend="reference" then ignores them).
+
+Fwd, Bwd = gdp_jax.FwdConfig, gdp_jax.BwdConfig
+CONFIG_BAD = [
+    (dict(config=dict(h_piece=0)), r"config: expected a gdp_jax.FwdConfig or None, got dict"),
+    (dict(config=tuple(Fwd())), r"config: expected a gdp_jax.FwdConfig or None, got tuple"),
+    (dict(config=Bwd()), r"config: expected a gdp_jax.FwdConfig or None, got BwdConfig"),
+    (dict(bwd_config=Fwd()), r"bwd_config: expected a gdp_jax.BwdConfig or None, got FwdConfig"),
+    (dict(config=Fwd(h_piece=-2)), r"config: FwdConfig.h_piece: expected an int >= -1 \(-1: from "
+     r"the request's shape, 0: never split, n > 0: pieces of n expanded chunks\), got -2"),
+    (dict(config=Fwd(h_piece=2.0)), r"config: FwdConfig.h_piece: expected an int >= -1 .*, got 2.0"),
+    (dict(config=Fwd(kkt_bk=96)), r"config: FwdConfig.kkt_bk: expected a power of two >= 16, got 96"),
+    (dict(config=Fwd(o_bv=8)), r"config: FwdConfig.o_bv: expected a power of two >= 16, got 8"),
+    (dict(config=Fwd(h_bv_big_k=48)), r"config: FwdConfig.h_bv_big_k: expected a power of two"),
+    (dict(config=Fwd(h_warps=3)), r"config: FwdConfig.h_warps: expected 1, 2, 4, 8, 16 or 32, got 3"),
+    (dict(config=Fwd(solve_warps=True)), r"config: FwdConfig.solve_warps: expected .*, got True"),
+    (dict(config=Fwd(o_warps=64)), r"config: FwdConfig.o_warps: expected 1, 2, 4, 8, 16 or 32"),
+    (dict(config=Fwd(h_stages=0)), r"config: FwdConfig.h_stages: expected an int >= 1, got 0"),
+    (dict(config=Fwd(f32_precision="tf32")),
+     r"config: FwdConfig.f32_precision: expected one of 'ieee', 'tf32x3', got 'tf32'"),
+    (dict(config=Fwd(solve_precision="bf16")),
+     r"config: FwdConfig.solve_precision: expected one of 'tf32x3', 'ieee', 'tf32', got 'bf16'"),
+    (dict(config=Fwd(h_split_programs=-1)), r"config: FwdConfig.h_split_programs: expected an int >= 0"),
+    (dict(bwd_config=Bwd(h_split=-1)), r"bwd_config: BwdConfig.h_split: expected an int >= 0 \(0: "
+     r"from the number of programs, 1: never split, n > 1: n pieces per sequence\), got -1"),
+    (dict(bwd_config=Bwd(h_split_programs=0)), r"bwd_config: BwdConfig.h_split_programs: expected an int >= 1"),
+    (dict(bwd_config=Bwd(qk_block=3000)), r"bwd_config: BwdConfig.qk_block: expected a power of two >= 16"),
+    (dict(bwd_config=Bwd(o_bk=32.0)), r"bwd_config: BwdConfig.o_bk: expected a power of two >= 16, got 32.0"),
+    (dict(bwd_config=Bwd(finish_dk=2)), r"bwd_config: BwdConfig.finish_dk: expected 0 or 1, got 2"),
+    (dict(bwd_config=Bwd(f32_precision="tf32")), r"bwd_config: BwdConfig.f32_precision: expected one of"),
+]
+
+
+@pytest.mark.parametrize("backend", ["reference", "interpret"])
+@pytest.mark.parametrize("over,message", CONFIG_BAD, ids=[f"{next(iter(o))}-{i}" for i, (o, _) in enumerate(CONFIG_BAD)])
+def test_prefill_refuses_bad_config(over, message, backend):
+  arrays, _ = _split(prefill_args())
+  with pytest.raises(ValueError, match=message):
+    jax.eval_shape(lambda a: gdp_jax.chunk_gated_delta_product(
+        **a, num_householder=M, **over, backend=backend), arrays)
+
+
+def test_config_rules_cover_every_field():
+  """A field added to a config class needs a rule of what the kernels take (none is skipped)."""
+  from gdp_jax import _checks
+  for cls in (gdp_jax.DecodeConfig, Fwd, Bwd):
+    assert set(_checks._CONFIG_FIELDS[cls]) == set(_checks.config_fields(cls)), cls.__name__
+
+
+def test_valid_configs_pass():
+  """The defaults, both opt-outs of the shape-keyed split, and every decode tile picked."""
+  from gdp_jax import _checks, _configs
+  arrays, _ = _split(prefill_args())
+  for config in (Fwd(), Fwd(h_piece=0), Fwd(h_piece=3), Fwd(f32_precision="tf32x3")):
+    for backend in ("reference", "interpret"):
+      jax.eval_shape(lambda a: gdp_jax.chunk_gated_delta_product(
+          **a, num_householder=M, config=config, bwd_config=Bwd(h_split=1), backend=backend),
+          arrays)
+  for K_, V_ in ((16, 8), (100, 512), (256, 256)):
+    _checks.check_config("config", _configs.decode_config(K_, V_), gdp_jax.DecodeConfig)
+
+
+@pytest.mark.parametrize("config,message", [
+    (gdp_jax.FwdConfig(), r"config: expected a gdp_jax.DecodeConfig or None, got FwdConfig"),
+    (gdp_jax.DecodeConfig(BV=12, num_warps=1), r"config: DecodeConfig.BV: expected a power of two >= 1, got 12"),
+    (gdp_jax.DecodeConfig(BV=16, num_warps=0), r"config: DecodeConfig.num_warps: expected 1, 2, 4, 8, 16 or 32, got 0"),
+], ids=["type", "BV", "num_warps"])
+def test_decode_refuses_bad_config(config, message):
+  with pytest.raises(ValueError, match=message):
+    jax.eval_shape(lambda a: gdp_jax.gated_delta_product_decode(
+        **a, num_householder=M, config=config, backend="interpret"), decode_args())
+
+
+# -------------------------------------------------------------------------------------------------
 # Dtypes: every argument has a listed set (gdp_jax._checks), anything else is refused with it.
 
 CACHE_LIST = r"one of float32, bfloat16, float64; got float16"

@@ -281,6 +281,23 @@ def test_layer_trains_on_the_kernels(backend):
   assert any(float(jnp.max(jnp.abs(r))) > 0 for r in ref)
 
 
+def test_layer_passes_its_prefill_configs(layer):
+  """prefill_config and prefill_bwd_config reach the prefill's config= and bwd_config=: checked
+  there on every backend (a bad one raises, naming the argument), ignored by the references."""
+  import gdp_jax
+  lay = _randomize(_abstract(**CFG, backend="reference", param_dtype=f64,
+                             prefill_config=gdp_jax.FwdConfig(h_piece=0),
+                             prefill_bwd_config=gdp_jax.BwdConfig(h_split=1)), 1)
+  x = _x((2, 5, HIDDEN), seed=8)
+  assert bits_equal(_prefill(lay, x), _prefill(layer, x))
+  lay.prefill_config = gdp_jax.FwdConfig(h_piece=-2)
+  with pytest.raises(ValueError, match=r"config: FwdConfig.h_piece: expected an int >= -1"):
+    _prefill(lay, x)
+  lay.prefill_config, lay.prefill_bwd_config = None, gdp_jax.FwdConfig()
+  with pytest.raises(ValueError, match=r"bwd_config: expected a gdp_jax.BwdConfig or None"):
+    _prefill(lay, x)
+
+
 # -------------------------------------------------------------------------------------------------
 # FLA weights: names and shapes as written in fla/layers/gated_deltaproduct.py
 

@@ -18,7 +18,7 @@ import pytest
 
 import gdp_jax
 from conftest import KERNEL_BACKEND
-from gdp_jax import _prefill_bwd, reference
+from gdp_jax import _backends, _prefill_bwd, reference
 from gdp_jax import _prefill_kernels as pk
 from helpers import RTOL, PrefillCase, assert_close, bits_equal, err_ratio
 
@@ -118,32 +118,20 @@ def _loss(fn, cts, kw, with_outputs=False, **extra):
   return loss
 
 
-def _train_prefill(config):
-  """The prefill's training path under a BwdConfig, or a (BwdConfig, FwdConfig) pair for its
-  forward rule too (the public entry point takes the defaults)."""
-  configs = (config,) if isinstance(config, _prefill_bwd.BwdConfig) else config
-
-  def prefill(q, k, v, g=None, beta=None, *, num_householder, output_final_state,
-              use_qk_l2norm_in_kernel, initial_state=None, cu_seqlens=None, backend):
-    static = _prefill_bwd._Static(num_householder, q.shape[-1] ** -0.5, output_final_state,
-                                  use_qk_l2norm_in_kernel, backend, *configs)
-    return _prefill_bwd._prefill(q, k, v, g, beta, initial_state, cu_seqlens, static)
-
-  return prefill
-
-
 def grads(x, cts, kw, backend, config=None, with_outputs=False):
-  """The kernels' gradients (with with_outputs: and (o, final)), through the public entry point
-  or, given a config (`_train_prefill`), the training path under it."""
-  fn = gdp_jax.chunk_gated_delta_product if config is None else _train_prefill(config)
-  return jax.grad(_loss(fn, cts, kw, with_outputs=with_outputs, backend=backend),
-                  has_aux=with_outputs)(x)
+  """The kernels' gradients (with with_outputs: and (o, final)) through the public entry point
+  under `config`: None (the defaults), a BwdConfig, or a (BwdConfig, FwdConfig) pair."""
+  extra = {}
+  if config is not None:
+    bwd, fwd = (config, None) if isinstance(config, gdp_jax.BwdConfig) else config
+    extra = dict(config=fwd, bwd_config=bwd)
+  return jax.grad(_loss(gdp_jax.chunk_gated_delta_product, cts, kw, with_outputs=with_outputs,
+                        backend=backend, **extra), has_aux=with_outputs)(x)
 
 
 def check_grads(c: PrefillCase, backend, seed=0, configs=(None,)):
   """Checks the kernels' gradients and outputs against the reference's, once per entry of
-  `configs` (None: the public entry point; else the training path under it, `_train_prefill`);
-  returns the gradients in that order."""
+  `configs` (as `grads` takes them); returns the gradients in that order."""
   x, cts, kw = make_inputs(c, seed)
   xk = _cast(c, x)
   up = {n: a.astype(f64) for n, a in xk.items()}   # the same rounded inputs, in float64
@@ -407,6 +395,40 @@ def test_split_forward_scan():
   for n in one:
     e = err_ratio(one[n], split[0][n])
     assert e < 1e-5, f"d{n}: ratio {e:.3e} to the unsplit forward"
+
+
+def test_public_configs_reach_the_training_path(monkeypatch):
+  """jax.grad through `chunk_gated_delta_product(..., config=, bwd_config=)`. At this size the
+  defaults leave the forward scan whole and cut the reverse pass into pieces (2 programs, far
+  below the SMs); FwdConfig(h_piece=1) and BwdConfig(h_split=1) turn both around, as their
+  launches show (the forward's chain kernel, the backward's summary pass), and give the
+  defaults' gradients within float32 rounding, each against the reference. The defaults
+  spelled out trace no new program. Shapes no other test traces, so that the launches are seen."""
+  c = Case(T=40, HV=2, K=40, V=24, M=2, l2norm=True, use_g=False)
+  launched = []
+  call = _prefill_bwd._launch.call
+
+  def spy(kernel, *args, **kwargs):
+    launched.append((kernel, kwargs.get("SUMMARY")))
+    return call(kernel, *args, **kwargs)
+
+  monkeypatch.setattr(_prefill_bwd._launch, "call", spy)
+  chain = ("chunk_h.chunk_h_chain_kernel", None)
+  bwd_summary = ("chunk_h_bwd.chunk_h_bwd_kernel", True)
+  (default,) = check_grads(c, KERNEL_BACKEND)
+  assert chain not in launched and bwd_summary in launched, launched
+  launched.clear()
+  configs = (gdp_jax.BwdConfig(h_split=1), gdp_jax.FwdConfig(h_piece=1))
+  (turned,) = check_grads(c, KERNEL_BACKEND, configs=[configs])
+  assert chain in launched and bwd_summary not in launched, launched
+  for n in default:
+    e = err_ratio(default[n], turned[n])
+    assert e < 1e-5, f"d{n}: ratio {e:.3e} to the default configs' gradient"
+  x, cts, kw = make_inputs(c, 0)
+  misses = _backends._jitted.cache_info().misses
+  jax.eval_shape(lambda x: grads(x, cts, kw, KERNEL_BACKEND,
+                                 (gdp_jax.BwdConfig(), gdp_jax.FwdConfig())), _cast(c, x))
+  assert _backends._jitted.cache_info().misses == misses, "the default configs, a new program"
 
 
 @pytest.mark.gpu

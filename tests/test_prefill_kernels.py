@@ -27,7 +27,7 @@ from gdp_jax import _backends
 from gdp_jax import _prefill_kernels as pk
 from gdp_jax import reference
 from gdp_jax._common import BT
-from helpers import RTOL, PrefillCase as Case, assert_close, bits_equal, forward_with
+from helpers import RTOL, PrefillCase as Case, assert_close, bits_equal
 from helpers import err_ratio, padding, prefill_inputs
 from helpers import upcast
 
@@ -83,15 +83,13 @@ GPU_CASES = [
 
 
 def check_prefill(c: Case, backend, seed=0, config=None):
-  """The prefill of case c against the float64 scan reference on the same rounded inputs:
-  every output by relative error (an all-zero reference, e.g. chunk states before any token
-  with no initial state, must come back exactly zero), padding and slack exactly zero,
-  unaddressed cache slots bit-identical. With `config`, through `forward_with`."""
+  """The prefill of case c under `config` (a FwdConfig; None: the default) against the float64
+  scan reference on the same rounded inputs: every output by relative error (an all-zero
+  reference, e.g. chunk states before any token with no initial state, must come back exactly
+  zero), padding and slack exactly zero, unaddressed cache slots bit-identical. Returns the
+  outputs."""
   a, kw = prefill_inputs(c, seed)
-  if config is None:
-    out = gdp_jax.chunk_gated_delta_product(**a, **kw, backend=backend)
-  else:
-    out = forward_with(config, a, kw, backend)
+  out = gdp_jax.chunk_gated_delta_product(**a, **kw, config=config, backend=backend)
   ref_kw = upcast(kw)
   if c.chunk_states and not c.states_dtype:
     # The reference's default follows its (upcast) inputs; ask it for the kernels' default.
@@ -145,6 +143,7 @@ def check_prefill(c: Case, backend, seed=0, config=None):
       assert cs.shape == (c.B, -(-c.T // BT), c.HV, c.K, c.V)
     cs_tol = 1e-2 if jnp.dtype(want).itemsize < 4 or c.dtype != "float32" else 1e-5
     assert_close("chunk_states", ref[2], cs, cs_tol)
+  return out
 
 
 @pytest.mark.parametrize("c", CASES, ids=lambda c: c.id)
@@ -164,14 +163,6 @@ GPU_CONFIGS = ([pytest.param(c, None, id=c.id) for c in GPU_CASES]
 @pytest.mark.parametrize("c,config", GPU_CONFIGS)
 def test_prefill_gpu(c, config):
   check_prefill(c, "triton", seed=1, config=config)
-
-
-def test_f32_precision_is_checked():
-  """Only the float32-level precisions: one TF32 product ("tf32") rounds operands to 10 bits."""
-  c = Case(T=10, HV=1, K=16, V=16, M=1)
-  a, kw = prefill_inputs(c, 0)
-  with pytest.raises(ValueError, match="f32_precision must be one of"):
-    forward_with(pk.FwdConfig(f32_precision="tf32"), a, kw, KERNEL_BACKEND)
 
 
 def test_small_heads_take_narrow_tiles():
@@ -263,6 +254,45 @@ def test_split_scan(c, lengths, monkeypatch):
   assert launched.count("chunk_h.chunk_h_chain_kernel") == len(lengths), "no split happened"
 
 
+# Shapes of its own (no other test compiles them), so that the launches are traced here.
+OPT_OUT_CASE = Case(T=260, HV=2, K=32, V=16, M=2, varlen=(5, 0, 130, 64, 1, 40), cache="slots",
+                    chunk_states=True, decay=0.005)
+
+
+def test_config_opts_out_of_the_default_split(monkeypatch):
+  """The batch-invariance opt-outs through the public `config=` (docs/api.md, "Kernel
+  configs"): never split (h_piece=0), and pieces of a fixed length, here 2 expanded chunks (the
+  sequence of 130 tokens has 5). Each against the reference (poisoned cache, padding zeros,
+  chunk states: check_prefill) and against the default config: within the tolerance table
+  split, bit for bit unsplit (the default splits from 2048 tokens on)."""
+  c = OPT_OUT_CASE
+  launched = []
+  call = pk._launch.call
+
+  def spy(kernel, *args, **kwargs):
+    launched.append(kernel)
+    return call(kernel, *args, **kwargs)
+
+  monkeypatch.setattr(pk._launch, "call", spy)
+  chain = "chunk_h.chunk_h_chain_kernel"
+  a, kw = prefill_inputs(c, 0)
+  default = gdp_jax.chunk_gated_delta_product(**a, **kw, backend=KERNEL_BACKEND)
+  assert chain not in launched, "the default split this call"
+  si = np.asarray(kw["state_indices"])
+  live = si[(si >= 0) & (si < kw["state"].shape[0])]
+  for h_piece in (0, 2):
+    launched.clear()
+    out = check_prefill(c, KERNEL_BACKEND, config=gdp_jax.FwdConfig(h_piece=h_piece))
+    assert (chain in launched) == bool(h_piece), f"h_piece={h_piece}: launched {launched}"
+    for name, x, d in zip(("o", "cache", "chunk_states"), out, default):
+      if not h_piece:
+        assert bits_equal(x, d), f"{name}: unsplit, yet not the default's bits"
+      else:  # the cache's other slots hold NaN, bit-identical (check_prefill)
+        rows = live if name == "cache" else slice(None)
+        assert_close(f"{name}, pieces of 2 against the default", d[rows], x[rows],
+                     RTOL[c.dtype])
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_split_scan_gpu(dtype):
@@ -278,7 +308,8 @@ def test_split_scan_gpu(dtype):
   ref = reference.chunk_gated_delta_product(**upcast(a), **upcast(kw))
   errs = {}
   for L in (0, 16, 64):
-    out = forward_with(pk.FwdConfig(h_piece=L), a, kw, "triton")
+    out = gdp_jax.chunk_gated_delta_product(**a, **kw, config=pk.FwdConfig(h_piece=L),
+                                            backend="triton")
     errs[L] = [err_ratio(r, o) for r, o in zip(ref, out)]
   print(f"relative error to the reference (o, final state) by piece length: {errs}")
   tols = (RTOL[dtype], 1e-5 if dtype == "float32" else 1e-2)
@@ -563,21 +594,22 @@ def test_matches_folded_decode():
 
 
 def test_eager_call_is_one_program_per_config():
-  """An eager call runs one jitted program, reused for the same shapes; another block config
-  (what the benchmarks' sweeps pass as the forward's static `config`) builds a new program
-  instead of reusing one traced under the old config, and changes o only by summation order."""
+  """An eager call runs one jitted program, reused for the same shapes and config; the default
+  config spelled out (`config=gdp_jax.FwdConfig()`) is config=None's program; another config
+  builds a new program instead of reusing one traced under the old config, and changes o only
+  by summation order."""
   c = Case(B=1, T=70, HV=2, K=32, V=32, M=2)
   a, kw = prefill_inputs(c, seed=9)
-  run = lambda: gdp_jax.chunk_gated_delta_product(**a, **kw, backend=KERNEL_BACKEND)
+  run = lambda config=None: gdp_jax.chunk_gated_delta_product(**a, **kw, config=config,
+                                                              backend=KERNEL_BACKEND)
   first = run()
   misses = _backends._jitted.cache_info().misses
   again = run()
+  default = run(gdp_jax.FwdConfig())
   assert _backends._jitted.cache_info().misses == misses, "same call, new program"
   assert all(bits_equal(x, y) for x, y in zip(first, again))
-  default = forward_with(pk.FwdConfig(), a, kw, KERNEL_BACKEND)
   assert all(bits_equal(x, y) for x, y in zip(first, default)), "the default config differs"
-  misses = _backends._jitted.cache_info().misses
-  other = forward_with(pk.FwdConfig(o_bv=16, o_bk=16), a, kw, KERNEL_BACKEND)
+  other = run(gdp_jax.FwdConfig(o_bv=16, o_bk=16))
   assert _backends._jitted.cache_info().misses == misses + 1, "changed config, old program"
   assert_close("o (other blocks)", first[0], other[0], 1e-5)
 
