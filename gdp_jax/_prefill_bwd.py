@@ -1,7 +1,7 @@
 """The training path of the chunked prefill: a `jax.custom_vjp` whose backward runs Triton kernels.
 
-`chunk_gated_delta_product_train` has the signature of `_prefill_kernels._chunk_gated_delta_product_fwd`.
-Without a state cache and chunk snapshots it is differentiable with respect to q, k, v, g, beta
+`chunk_gated_delta_product_train` has the signature of `_prefill_kernels._chunk_gated_delta_product_fwd`
+(without `return_residuals`) plus `bwd_config`, the backward kernels' BwdConfig. Without a state cache and chunk snapshots it is differentiable with respect to q, k, v, g, beta
 and initial_state (with the final state's cotangent when output_final_state); otherwise it is
 the plain forward, whose launches refuse differentiation with a message naming what is
 differentiable.
