@@ -401,34 +401,39 @@ def test_public_configs_reach_the_training_path(monkeypatch):
   """jax.grad through `chunk_gated_delta_product(..., config=, bwd_config=)`. At this size the
   defaults leave the forward scan whole and cut the reverse pass into pieces (2 programs, far
   below the SMs); FwdConfig(h_piece=1) and BwdConfig(h_split=1) turn both around, as their
-  launches show (the forward's chain kernel, the backward's summary pass), and give the
-  defaults' gradients within float32 rounding, each against the reference. The defaults
-  spelled out trace no new program. Shapes no other test traces, so that the launches are seen."""
+  traced launches show (the forward's chain kernel, the backward's summary pass; shapes no
+  other test traces), and give the defaults' gradients within float32 rounding, each against
+  the reference. The defaults spelled out are config=None's program."""
   c = Case(T=40, HV=2, K=40, V=24, M=2, l2norm=True, use_g=False)
-  launched = []
+  x, cts, kw = make_inputs(c, 0)
+  xk = _cast(c, x)
   call = _prefill_bwd._launch.call
 
-  def spy(kernel, *args, **kwargs):
-    launched.append((kernel, kwargs.get("SUMMARY")))
-    return call(kernel, *args, **kwargs)
+  def launches(config):
+    seen = []
 
-  monkeypatch.setattr(_prefill_bwd._launch, "call", spy)
+    def spy(kernel, *args, **kwargs):
+      seen.append((kernel, kwargs.get("SUMMARY")))
+      return call(kernel, *args, **kwargs)
+
+    monkeypatch.setattr(_prefill_bwd._launch, "call", spy)
+    jax.eval_shape(lambda x: grads(x, cts, kw, KERNEL_BACKEND, config), xk)
+    return seen
+
   chain = ("chunk_h.chunk_h_chain_kernel", None)
   bwd_summary = ("chunk_h_bwd.chunk_h_bwd_kernel", True)
-  (default,) = check_grads(c, KERNEL_BACKEND)
-  assert chain not in launched and bwd_summary in launched, launched
-  launched.clear()
-  configs = (gdp_jax.BwdConfig(h_split=1), gdp_jax.FwdConfig(h_piece=1))
-  (turned,) = check_grads(c, KERNEL_BACKEND, configs=[configs])
-  assert chain in launched and bwd_summary not in launched, launched
-  for n in default:
-    e = err_ratio(default[n], turned[n])
-    assert e < 1e-5, f"d{n}: ratio {e:.3e} to the default configs' gradient"
-  x, cts, kw = make_inputs(c, 0)
+  turned = (gdp_jax.BwdConfig(h_split=1), gdp_jax.FwdConfig(h_piece=1))
+  seen = launches(None)
+  assert chain not in seen and bwd_summary in seen, seen
+  seen = launches(turned)
+  assert chain in seen and bwd_summary not in seen, seen
   misses = _backends._jitted.cache_info().misses
-  jax.eval_shape(lambda x: grads(x, cts, kw, KERNEL_BACKEND,
-                                 (gdp_jax.BwdConfig(), gdp_jax.FwdConfig())), _cast(c, x))
+  launches((gdp_jax.BwdConfig(), gdp_jax.FwdConfig()))
   assert _backends._jitted.cache_info().misses == misses, "the default configs, a new program"
+  default, other = check_grads(c, KERNEL_BACKEND, configs=[None, turned])
+  for n in default:
+    e = err_ratio(default[n], other[n])
+    assert e < 1e-5, f"d{n}: ratio {e:.3e} to the default configs' gradient"
 
 
 @pytest.mark.gpu
