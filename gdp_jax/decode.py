@@ -87,10 +87,10 @@ def fused_recurrent_gated_delta_rule(
     arrays["replay_ring"] = tuple(replay_ring)
   static = dict(scale=scale, output_final_state=output_final_state,
                 use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, steps_per_token=steps_per_token)
+  config = _config(config, dims)   # checked on every backend; "reference" ignores it
   if backend == "reference":
     from gdp_jax import reference
     return _backends.call_jitted(reference.fused_recurrent_gated_delta_rule, arrays, **static)
-  config = _config(config, dims)
   if replay_ring is not None:
     return _backends.call_jitted(_fused_recurrent_replay, arrays, dims=dims, backend=backend,
                                  config=config, **static)
@@ -275,12 +275,12 @@ def gated_delta_product_decode(q, k, v, g, beta, *, num_householder, state, stat
                 replay_ring=None if replay_ring is None else tuple(replay_ring))
   static = dict(num_householder=num_householder,
                 use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
+  config = _config(config, dims)   # checked on every backend; "reference" ignores it
   if backend == "reference":
     from gdp_jax import reference
     return _backends.call_jitted(reference.gated_delta_product_decode, arrays, scale=scale,
                                  **static)
   scale = dims.K ** -0.5 if scale is None else float(scale)
-  config = _config(config, dims)
   return _backends.call_jitted(_gdp_decode_fold, arrays, scale=scale, dims=dims,
                                backend=backend, config=config, **static)
 
@@ -397,11 +397,12 @@ def commit_replay(state, replay_ring, state_indices, num_accepted, *, steps_per_
   arrays = dict(state=state, replay_ring=tuple(replay_ring), state_indices=state_indices,
                 num_accepted=num_accepted)
   static = dict(steps_per_token=steps_per_token, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
+  config = _config(config, dims)   # checked on every backend; "reference" ignores it
   if backend == "reference":
     from gdp_jax import reference
     return _backends.call_jitted(reference.commit_replay, arrays, **static)
   return _backends.call_jitted(_commit_replay, arrays, dims=dims, backend=backend,
-                               config=_config(config, dims), **static)
+                               config=config, **static)
 
 
 def _commit_replay(state, replay_ring, state_indices, num_accepted, *, dims, backend, config,

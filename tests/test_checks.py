@@ -265,10 +265,12 @@ def test_valid_configs_pass():
     (gdp_jax.DecodeConfig(BV=12, num_warps=1), r"config: DecodeConfig.BV: expected a power of two >= 1, got 12"),
     (gdp_jax.DecodeConfig(BV=16, num_warps=0), r"config: DecodeConfig.num_warps: expected 1, 2, 4, 8, 16 or 32, got 0"),
 ], ids=["type", "BV", "num_warps"])
-def test_decode_refuses_bad_config(config, message):
+@pytest.mark.parametrize("backend", ["reference", "interpret"])
+def test_decode_refuses_bad_config(config, message, backend):
+  """Checked on every backend, as the prefill's, though "reference" runs no kernel."""
   with pytest.raises(ValueError, match=message):
     jax.eval_shape(lambda a: gdp_jax.gated_delta_product_decode(
-        **a, num_householder=M, config=config, backend="interpret"), decode_args())
+        **a, num_householder=M, config=config, backend=backend), decode_args())
 
 
 # -------------------------------------------------------------------------------------------------
