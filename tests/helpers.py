@@ -48,6 +48,24 @@ def assert_close(name, ref, out, rtol, *, atol=0.0):
       + f"; rms error {err:.3e}, max abs diff {diff:.3e}")
 
 
+def spy_launches(monkeypatch, record=lambda kernel, args, kwargs: kernel) -> list:
+  """Records every kernel launch through gdp_jax._launch.call as record(kernel, args, kwargs)
+  (None: not kept) in the list returned; the launches still run. A second spy in the same test
+  replaces the first rather than wrapping it, so each list holds only its own launches."""
+  from gdp_jax import _launch
+  seen, call = [], getattr(_launch.call, "__wrapped__", _launch.call)
+
+  def spy(kernel, *args, **kwargs):
+    item = record(kernel, args, kwargs)
+    if item is not None:
+      seen.append(item)
+    return call(kernel, *args, **kwargs)
+
+  spy.__wrapped__ = call
+  monkeypatch.setattr(_launch, "call", spy)
+  return seen
+
+
 def bits_equal(a, b) -> bool:
   """Bitwise equality that treats NaN payloads as values (NaN != NaN otherwise)."""
   a = np.asarray(a)

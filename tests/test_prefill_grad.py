@@ -20,7 +20,7 @@ import gdp_jax
 from conftest import KERNEL_BACKEND
 from gdp_jax import _backends, _prefill_bwd, reference
 from gdp_jax import _prefill_kernels as pk
-from helpers import RTOL, PrefillCase, assert_close, bits_equal, err_ratio
+from helpers import RTOL, PrefillCase, assert_close, bits_equal, err_ratio, spy_launches
 
 pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered in exp2:RuntimeWarning")
 
@@ -199,16 +199,9 @@ def test_f32_precision_reaches_every_kernel(monkeypatch, dtype):
   of every kernel of a training step on float32 inputs, and changes no launch on 16-bit ones.
   Traced only (eval_shape): the interpreter computes every dot in float32 whatever the
   precision, so the GPU test above is what checks each precision's accuracy."""
-  call = _prefill_bwd._launch.call
-
   def launches(config):
-    seen = []
-
-    def spy(kernel, *args, **kwargs):
-      seen.append((kernel, kwargs.get("DOT_PRECISION"), kwargs.get("BK"), kwargs.get("BV")))
-      return call(kernel, *args, **kwargs)
-
-    monkeypatch.setattr(_prefill_bwd._launch, "call", spy)
+    seen = spy_launches(monkeypatch, lambda kernel, args, kwargs: (
+        kernel, kwargs.get("DOT_PRECISION"), kwargs.get("BK"), kwargs.get("BV")))
     c = Case(T=70, HV=2, K=32, V=16, M=2, dtype=dtype, l2norm=True)
     x, cts, kw = make_inputs(c, 0)
     jax.eval_shape(lambda x: grads(x, cts, kw, KERNEL_BACKEND, config), _cast(c, x))
@@ -407,16 +400,8 @@ def test_public_configs_reach_the_training_path(monkeypatch):
   c = Case(T=40, HV=2, K=40, V=24, M=2, l2norm=True, use_g=False)
   x, cts, kw = make_inputs(c, 0)
   xk = _cast(c, x)
-  call = _prefill_bwd._launch.call
-
   def launches(config):
-    seen = []
-
-    def spy(kernel, *args, **kwargs):
-      seen.append((kernel, kwargs.get("SUMMARY")))
-      return call(kernel, *args, **kwargs)
-
-    monkeypatch.setattr(_prefill_bwd._launch, "call", spy)
+    seen = spy_launches(monkeypatch, lambda kernel, args, kwargs: (kernel, kwargs.get("SUMMARY")))
     jax.eval_shape(lambda x: grads(x, cts, kw, KERNEL_BACKEND, config), xk)
     return seen
 

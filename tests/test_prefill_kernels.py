@@ -29,7 +29,7 @@ from gdp_jax import reference
 from gdp_jax._common import BT
 from helpers import RTOL, PrefillCase as Case, assert_close, bits_equal
 from helpers import err_ratio, padding, prefill_inputs
-from helpers import upcast
+from helpers import spy_launches, upcast
 
 # exp2 above the causal diagonal overflows to inf by design; the kernels select it away (the
 # interpreter's numpy still reports the overflow).
@@ -202,15 +202,8 @@ def test_scan_takes_float32_beta(monkeypatch):
   every chunk of its sequential loop, and Triton pipelines that gather only at 4 bytes or more
   (cp.async); a bf16 beta cost 0.13 ms of 0.45 at B=1 T=8192 on the H200. Traced only
   (eval_shape), so nothing is launched."""
-  seen = []
-  call = pk._launch.call
-
-  def spy(kernel, *args, **kwargs):
-    if kernel == "chunk_h.chunk_h_fwd_kernel":
-      seen.append(jnp.dtype(args[14].dtype))  # argument 14: beta
-    return call(kernel, *args, **kwargs)
-
-  monkeypatch.setattr(pk._launch, "call", spy)
+  seen = spy_launches(monkeypatch, lambda kernel, args, kwargs: jnp.dtype(args[14].dtype)
+                      if kernel == "chunk_h.chunk_h_fwd_kernel" else None)   # argument 14: beta
   B, T, H, K, M = 1, 130, 2, 32, 2
   sds, bf = jax.ShapeDtypeStruct, jnp.bfloat16
   jax.eval_shape(
@@ -241,14 +234,7 @@ SPLIT_CASES = [
 def test_split_scan(c, lengths, monkeypatch):
   """The split walk (summary, chain, walk per piece) against the float64 reference: o, final
   state or cache slots, chunk states, padding zeros, untouched slots."""
-  launched = []
-  call = pk._launch.call
-
-  def spy(kernel, *args, **kwargs):
-    launched.append(kernel)
-    return call(kernel, *args, **kwargs)
-
-  monkeypatch.setattr(pk._launch, "call", spy)
+  launched = spy_launches(monkeypatch)
   for L in lengths:
     check_prefill(c, KERNEL_BACKEND, config=pk.FwdConfig(h_piece=L))
   assert launched.count("chunk_h.chunk_h_chain_kernel") == len(lengths), "no split happened"
@@ -266,14 +252,7 @@ def test_config_opts_out_of_the_default_split(monkeypatch):
   chunk states: check_prefill) and against the default config: within the tolerance table
   split, bit for bit unsplit (the default splits from 2048 tokens on)."""
   c = OPT_OUT_CASE
-  launched = []
-  call = pk._launch.call
-
-  def spy(kernel, *args, **kwargs):
-    launched.append(kernel)
-    return call(kernel, *args, **kwargs)
-
-  monkeypatch.setattr(pk._launch, "call", spy)
+  launched = spy_launches(monkeypatch)
   chain = "chunk_h.chunk_h_chain_kernel"
   a, kw = prefill_inputs(c, 0)
   default = gdp_jax.chunk_gated_delta_product(**a, **kw, backend=KERNEL_BACKEND)
