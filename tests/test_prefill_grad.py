@@ -323,8 +323,11 @@ O_GPU_VARIANTS = [dict(o_bk=128, o_warps=8)]
 O_GPU_CASES = [Case(B=2, T=600, H=4, HV=8, K=128, V=128, M=2, dtype="bfloat16", l2norm=True),
                Case(B=2, T=600, H=4, HV=8, K=128, V=128, M=2, dtype="float32", l2norm=True),
                Case(B=2, T=500, H=2, HV=4, K=256, V=512, M=2, dtype="bfloat16", l2norm=True)]
-O_GPU_PARAMS = [pytest.param(c, v, id=c.id + "-" + ",".join(f"{k}={int(x)}" for k, x in v.items()))
-                for c in O_GPU_CASES for v in O_GPU_VARIANTS]
+# float32 takes exact products there: under the default tf32x3 the variant's operand tiles need
+# 245760 B of shared memory (sm_90 compile), over the 232448 a block may have.
+O_GPU_PARAMS = [pytest.param(c, v, id=c.id + "-" + ",".join(f"{k}={x}" for k, x in v.items()))
+                for c in O_GPU_CASES for v in O_GPU_VARIANTS
+                for v in [dict(v, f32_precision="ieee") if c.dtype == "float32" else v]]
 
 
 @pytest.mark.gpu

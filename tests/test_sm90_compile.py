@@ -261,7 +261,8 @@ def _parse_case(text):
   """"train,float32,128,128,16[,f32_precision=ieee,...]" as a CASES entry."""
   what, dtype, *sizes = text.split(",")
   nums = [int(x) for x in sizes if "=" not in x]
-  over = dict(x.split("=", 1) for x in sizes if "=" in x)
+  over = {k: int(v) if v.lstrip("-").isdigit() else v
+          for k, v in (x.split("=", 1) for x in sizes if "=" in x)}
   return (what, dtype, *nums) + ((over,) if over else ())
 
 
