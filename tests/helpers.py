@@ -5,6 +5,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 # Relative-error tolerances (docs/algorithm.md §10.3), keyed by the dtype the kernel computed in.
 RTOL = {"float64": 1e-10, "float32": 1e-5, "bfloat16": 1e-2, "float16": 5e-3}
@@ -46,6 +47,14 @@ def assert_close(name, ref, out, rtol, *, atol=0.0):
       f"{name}: ratio {err / den if den else float('inf'):.3e} > {rtol:.1e}"
       + (f" (absolute floor {atol:.1e})" if atol else "")
       + f"; rms error {err:.3e}, max abs diff {diff:.3e}")
+
+
+def float32_again(cases, config, suffix):
+  """pytest params (case, config): every case under the default config (None), then the float32
+  cases again under `config`, their ids ending in "-" + suffix."""
+  return ([pytest.param(c, None, id=c.id) for c in cases]
+          + [pytest.param(c, config, id=f"{c.id}-{suffix}") for c in cases
+             if c.dtype == "float32"])
 
 
 def spy_launches(monkeypatch, record=lambda kernel, args, kwargs: kernel) -> list:

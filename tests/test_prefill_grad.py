@@ -20,7 +20,8 @@ import gdp_jax
 from conftest import KERNEL_BACKEND
 from gdp_jax import _backends, _prefill_bwd, reference
 from gdp_jax import _prefill_kernels as pk
-from helpers import RTOL, PrefillCase, assert_close, bits_equal, err_ratio, spy_launches
+from helpers import RTOL, PrefillCase, assert_close, bits_equal, err_ratio, float32_again
+from helpers import spy_launches
 
 pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered in exp2:RuntimeWarning")
 
@@ -182,9 +183,7 @@ def test_prefill_grads(c):
 # The float32 cases again with exact float32 products ("ieee": FMA loops on the CUDA cores;
 # the default is "tf32x3", docs/algorithm.md §4.5), within the same float32 tolerances.
 IEEE = (_prefill_bwd.BwdConfig(f32_precision="ieee"), pk.FwdConfig(f32_precision="ieee"))
-GPU_CONFIGS = ([pytest.param(c, None, id=c.id) for c in GPU_CASES]
-               + [pytest.param(c, IEEE, id=f"{c.id}-ieee") for c in GPU_CASES
-                  if c.dtype == "float32"])
+GPU_CONFIGS = float32_again(GPU_CASES, IEEE, "ieee")
 
 
 @pytest.mark.gpu

@@ -29,7 +29,7 @@ from gdp_jax import reference
 from gdp_jax._common import BT
 from helpers import RTOL, PrefillCase as Case, assert_close, bits_equal
 from helpers import err_ratio, padding, prefill_inputs
-from helpers import spy_launches, upcast
+from helpers import float32_again, spy_launches, upcast
 
 # exp2 above the causal diagonal overflows to inf by design; the kernels select it away (the
 # interpreter's numpy still reports the overflow).
@@ -154,9 +154,7 @@ def test_prefill(c):
 # The float32 cases again with exact float32 products ("ieee": FMA loops on the CUDA cores;
 # the default is "tf32x3", docs/algorithm.md §4.5), within the same float32 tolerances.
 IEEE = pk.FwdConfig(f32_precision="ieee")
-GPU_CONFIGS = ([pytest.param(c, None, id=c.id) for c in GPU_CASES]
-               + [pytest.param(c, IEEE, id=f"{c.id}-ieee") for c in GPU_CASES
-                  if c.dtype == "float32"])
+GPU_CONFIGS = float32_again(GPU_CASES, IEEE, "ieee")
 
 
 @pytest.mark.gpu
