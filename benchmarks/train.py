@@ -371,6 +371,9 @@ def parse_args(argv=None):
   p.add_argument("--budget-s", type=float, default=540.0,
                  help="start no worker after this many seconds (a started one is capped too)")
   p.add_argument("--worker-timeout-s", type=float, default=300.0)
+  p.add_argument("--cache-dir", default=None,
+                 help="Triton cache shared with an earlier run, fla-core's autotuning results "
+                      "kept in it (first-call times then count no compile or autotuning)")
   p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
   p.add_argument("--worker-out", default=None, help=argparse.SUPPRESS)
   return p.parse_args(argv)
@@ -499,7 +502,9 @@ def main(argv=None):
     return
   user_env = dict(os.environ)
   common.setup_env(args.smoke)      # signals, FLA_CACHE_RESULTS=0, ... (inherited by workers)
-  os.environ["FLA_CACHE_RESULTS"] = "0"
+  # --cache-dir: fla-core's autotuning results (and every compile) kept in a directory that a
+  # first run filled, so a second run times the calls without autotuning them again.
+  os.environ["FLA_CACHE_RESULTS"] = "1" if args.cache_dir else "0"
   path = args.out or os.path.join(REPO, "bench_out/train_smoke.json" if args.smoke
                                   else "benchmarks/train.json")
   run = Run(args, path, user_env)
@@ -512,7 +517,9 @@ def main(argv=None):
   ref_rows = set(numbers) if args.ref_rows == "all" else {
       int(i) for i in args.ref_rows.split(",") if i}
   backend = "reference" if args.smoke else "triton"
-  triton_cache = tempfile.mkdtemp(prefix="triton_cache_train_", dir="/tmp")
+  triton_cache = args.cache_dir or tempfile.mkdtemp(prefix="triton_cache_train_", dir="/tmp")
+  if args.cache_dir:
+    os.makedirs(args.cache_dir, exist_ok=True)
   run.data["meta"] = dict(
       date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
       git=_git(), commit=common.git_commit(), versions=_dist_versions(), device=None,
