@@ -214,3 +214,182 @@ def chunk_h_bwd_kernel(
     p_dh0 = dh0 + (i_n.to(tl.int64) * HV + i_hv) * (K * V)
     _store_state(p_dh0, b_dh1, b_dh2, b_dh3, b_dh4, o_k, o_v, o_v < tl.where(i_p == 0, V, 0),
                  K, V)
+
+
+@triton.jit
+def _tile_t(p, i_t, o_k, o_v, mask_v, K: tl.constexpr, V: tl.constexpr):
+  """Columns 64*i_t .. of the [BV, K] transpose of a [K, V] state's column block at p."""
+  o = i_t * 64 + o_k
+  return tl.load(p + o[None, :] * V + o_v[:, None], mask=mask_v[:, None] & (o < K)[None, :],
+                 other=0.)
+
+
+@triton.jit
+def _store_tile_t(p, b_h, i_t, o_k, o_v, mask_v, K: tl.constexpr, V: tl.constexpr):
+  o = i_t * 64 + o_k
+  tl.store(p + o[None, :] * V + o_v[:, None], b_h.to(p.dtype.element_ty),
+           mask=mask_v[:, None] & (o < K)[None, :])
+
+
+@triton.jit
+def _store_state_t(p, b_h1, b_h2, b_h3, b_h4, o_k, o_v, mask_v, K: tl.constexpr,
+                   V: tl.constexpr):
+  _store_tile_t(p, b_h1, 0, o_k, o_v, mask_v, K, V)
+  if K > 64:
+    _store_tile_t(p, b_h2, 1, o_k, o_v, mask_v, K, V)
+  if K > 128:
+    _store_tile_t(p, b_h3, 2, o_k, o_v, mask_v, K, V)
+  if K > 192:
+    _store_tile_t(p, b_h4, 3, o_k, o_v, mask_v, K, V)
+
+
+@triton.jit
+def _tile_update_t(b_dh, b_decay, p_q, tok, mask_q, i_t, o_k, b_k, b_dos, b_xs,
+                   H: tl.constexpr, K: tl.constexpr, USE_G: tl.constexpr,
+                   DOT_PRECISION: tl.constexpr):
+  """Columns 64*i_t .. of dS^T <- decay dS^T + (scale do~^T diag(Gamma)) Q~ + (-X^T diag(beta
+  Gamma)) K, both products accumulating into dS^T; b_k is the chunk's key tile i_t."""
+  b_q = _row_tile(p_q, tok, mask_q, i_t, o_k, H * K, K)
+  if USE_G:
+    b_dh = b_dh * b_decay
+  b_dh = tl.dot(b_dos, b_q, b_dh, input_precision=DOT_PRECISION)
+  b_dh = tl.dot(b_xs, b_k, b_dh, input_precision=DOT_PRECISION)
+  return b_dh
+
+
+@triton.jit
+def chunk_h_bwd_t_kernel(
+    q, k, g_cum, beta, Ai, do, dv_local, dht, cu_seqlens, chunk_offsets, scale,
+    dh, dv, dh0, summary,
+    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, M: tl.constexpr,
+    BT: tl.constexpr, BV: tl.constexpr, NP: tl.constexpr,
+    USE_G: tl.constexpr, USE_DHT: tl.constexpr, USE_DH0: tl.constexpr, SUMMARY: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+  """chunk_h_bwd_kernel (same arguments, grid and results, dh and the summary in the same
+  [.., K, V] layouts) carrying dS^T, [BV, K] as four [BV, 64] float32 tiles, and dV'^T:
+
+      dV'^T = (P^T do~)^T + (dS^T K^T) diag(2^(g_C - G))
+      X^T   = dV'^T T
+      dS^T <- 2^g_C dS^T + (scale do~^T diag(Gamma)) Q~ - (X^T diag(beta Gamma)) K
+
+  The chained operand (dS^T, then dV'^T, then X^T) is always a dot's left operand, which
+  Hopper's wgmma takes from registers; the right operands (K^T, T, Q~, K) are tiles loaded for
+  the chunk, K^T the transpose of the key tile that K's own product reads. The row scalings
+  move from the loaded tiles onto the registers' columns, so loaded tiles reach the dots as
+  loaded. Transposed loads and stores of do~, P^T do~, dV', dh, dht, dh0 and the summary
+  address them in their usual layouts."""
+  i_nh, i_v, i_p = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+  if SUMMARY:
+    i_p += 1
+  i_n = i_nh // HV
+  i_hv = i_nh % HV
+  i_h = i_hv // (HV // H)
+  bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+  eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
+  len_x = (eos - bos) * M
+  bos_x = bos * M
+  n_x = tl.cdiv(len_x, BT)
+  c0 = tl.load(chunk_offsets + i_n).to(tl.int64)
+  n_piece = tl.cdiv(n_x, NP)
+  e_lo = tl.minimum(i_p * n_piece, n_x)
+  e_hi = tl.minimum(e_lo + n_piece, n_x)
+
+  o_k, o_v, mask_v, b_dh1, b_dh2, b_dh3, b_dh4 = _zero_state(i_v, V, BV)
+  o_a = tl.arange(0, BT)
+  mask_l = mask_v
+  if SUMMARY:
+    local, o_v, mask_v, mask_l, b_dh1, b_dh2, b_dh3, b_dh4 = _summary_columns(
+        i_v, o_k, K, V, BV)
+  # The starting tiles are set up as [64, BV] (zeros or the identity's columns), not products.
+  b_dh1 = tl.trans(b_dh1)
+  b_dh2 = tl.trans(b_dh2)
+  b_dh3 = tl.trans(b_dh3)
+  b_dh4 = tl.trans(b_dh4)
+  if USE_DHT:
+    p_t = dht + ((i_n.to(tl.int64) * NP + i_p) * HV + i_hv) * (K * V)
+    b_dh1 = _tile_t(p_t, 0, o_k, o_v, mask_v, K, V)
+    if K > 64:
+      b_dh2 = _tile_t(p_t, 1, o_k, o_v, mask_v, K, V)
+    if K > 128:
+      b_dh3 = _tile_t(p_t, 2, o_k, o_v, mask_v, K, V)
+    if K > 192:
+      b_dh4 = _tile_t(p_t, 3, o_k, o_v, mask_v, K, V)
+
+  p_q = q + i_h * K
+  p_k = k + i_h * K
+  for i_r in range(0, e_hi - e_lo):
+    i_e = e_hi - 1 - i_r
+    if not SUMMARY:
+      p_dh = dh + ((c0 + i_e) * HV + i_hv) * (K * V)
+      _store_state_t(p_dh, b_dh1, b_dh2, b_dh3, b_dh4, o_k, o_v, mask_v, K, V)
+
+    o_r = i_e * BT + o_a
+    mask_r = o_r < len_x
+    row = bos_x + o_r
+    tok = row // M
+    mask_q = mask_r & (row % M == M - 1)
+    if SUMMARY:
+      mask_q = mask_q & (o_a < tl.where(local, BT, 0))
+    m_vr = mask_v[:, None] & mask_r[None, :]
+    off_v = row[None, :] * (HV * V) + i_hv * V + o_v[:, None]
+    b_beta = tl.load(beta + row * HV + i_hv, mask=mask_r, other=0.)
+    if USE_G:
+      b_g = tl.load(g_cum + row * HV + i_hv, mask=mask_r, other=0.)
+      i_last = tl.minimum(i_e * BT + BT, len_x) - 1
+      b_g_last = tl.load(g_cum + (bos_x + i_last) * HV + i_hv)
+      b_gam = tl.where(mask_r, tl.exp2(b_g), 0.)
+      b_kdec = tl.where(mask_r, tl.exp2(b_g_last - b_g), 0.)
+      b_decay = tl.exp2(b_g_last)
+    else:
+      b_gam = tl.where(mask_r, 1., 0.)
+      b_kdec = b_gam
+      b_decay = 1.
+    b_do = tl.load(do + tok[None, :] * (HV * V) + i_hv * V + o_v[:, None],
+                   mask=mask_l[:, None] & mask_q[None, :], other=0.)
+    b_dos = (b_do.to(tl.float32) * (scale * b_gam)[None, :]).to(k.dtype.element_ty)
+
+    # dS^T K^T over the 64-column tiles of dS^T, dS^T rounded to the input dtype.
+    b_k1 = _row_tile(p_k, row, mask_r, 0, o_k, H * K, K)
+    b_k2 = b_k1
+    b_k3 = b_k1
+    b_k4 = b_k1
+    b_sk = tl.dot(b_dh1.to(b_dos.dtype), tl.trans(b_k1), input_precision=DOT_PRECISION)
+    if K > 64:
+      b_k2 = _row_tile(p_k, row, mask_r, 1, o_k, H * K, K)
+      b_sk = tl.dot(b_dh2.to(b_dos.dtype), tl.trans(b_k2), b_sk, input_precision=DOT_PRECISION)
+    if K > 128:
+      b_k3 = _row_tile(p_k, row, mask_r, 2, o_k, H * K, K)
+      b_sk = tl.dot(b_dh3.to(b_dos.dtype), tl.trans(b_k3), b_sk, input_precision=DOT_PRECISION)
+    if K > 192:
+      b_k4 = _row_tile(p_k, row, mask_r, 3, o_k, H * K, K)
+      b_sk = tl.dot(b_dh4.to(b_dos.dtype), tl.trans(b_k4), b_sk, input_precision=DOT_PRECISION)
+    b_dv = tl.load(dv_local + off_v, mask=mask_l[:, None] & mask_r[None, :],
+                   other=0.).to(tl.float32) + b_sk * b_kdec[None, :]
+    if not SUMMARY:
+      tl.store(dv + off_v, b_dv.to(dv.dtype.element_ty), mask=m_vr)
+
+    b_ai = tl.load(Ai + row[:, None] * (HV * BT) + i_hv * BT + o_a[None, :],
+                   mask=mask_r[:, None], other=0.)
+    b_x = tl.dot(b_dv.to(b_ai.dtype), b_ai, input_precision=DOT_PRECISION)
+    b_xs = (b_x * (-(b_beta * b_gam))[None, :]).to(b_dos.dtype)
+    b_dh1 = _tile_update_t(b_dh1, b_decay, p_q, tok, mask_q, 0, o_k, b_k1, b_dos, b_xs,
+                           H, K, USE_G, DOT_PRECISION)
+    if K > 64:
+      b_dh2 = _tile_update_t(b_dh2, b_decay, p_q, tok, mask_q, 1, o_k, b_k2, b_dos, b_xs,
+                             H, K, USE_G, DOT_PRECISION)
+    if K > 128:
+      b_dh3 = _tile_update_t(b_dh3, b_decay, p_q, tok, mask_q, 2, o_k, b_k3, b_dos, b_xs,
+                             H, K, USE_G, DOT_PRECISION)
+    if K > 192:
+      b_dh4 = _tile_update_t(b_dh4, b_decay, p_q, tok, mask_q, 3, o_k, b_k4, b_dos, b_xs,
+                             H, K, USE_G, DOT_PRECISION)
+
+  if SUMMARY:
+    p_s = summary + ((i_n.to(tl.int64) * (NP - 1) + i_p - 1) * HV + i_hv) * (K * (K + V))
+    _store_state_t(p_s, b_dh1, b_dh2, b_dh3, b_dh4, o_k, o_v + tl.where(local, K, 0), mask_v,
+                   K, K + V)
+  if USE_DH0:
+    p_dh0 = dh0 + (i_n.to(tl.int64) * HV + i_hv) * (K * V)
+    _store_state_t(p_dh0, b_dh1, b_dh2, b_dh3, b_dh4, o_k, o_v,
+                   o_v < tl.where(i_p == 0, V, 0), K, V)
