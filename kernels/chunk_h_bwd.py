@@ -214,42 +214,42 @@ def chunk_h_bwd_kernel(
     p_dh0 = dh0 + (i_n.to(tl.int64) * HV + i_hv) * (K * V)
     _store_state(p_dh0, b_dh1, b_dh2, b_dh3, b_dh4, o_k, o_v, o_v < tl.where(i_p == 0, V, 0),
                  K, V)
-
-
 @triton.jit
-def _tile_t(p, i_t, o_k, o_v, mask_v, K: tl.constexpr, V: tl.constexpr):
-  """Columns 64*i_t .. of the [BV, K] transpose of a [K, V] state's column block at p."""
-  o = i_t * 64 + o_k
+def _cols_t(p, i_t, o_c, o_v, mask_v, K: tl.constexpr, V: tl.constexpr, KT: tl.constexpr):
+  """Columns KT*i_t .. of the [BV, K] transpose of a [K, V] state's column block at p."""
+  o = i_t * KT + o_c
   return tl.load(p + o[None, :] * V + o_v[:, None], mask=mask_v[:, None] & (o < K)[None, :],
                  other=0.)
 
 
 @triton.jit
-def _store_tile_t(p, b_h, i_t, o_k, o_v, mask_v, K: tl.constexpr, V: tl.constexpr):
-  o = i_t * 64 + o_k
-  tl.store(p + o[None, :] * V + o_v[:, None], b_h.to(p.dtype.element_ty),
+def _store_t(p, b_h1, b_h2, o_c, o_v, mask_v, K: tl.constexpr, V: tl.constexpr,
+             KT: tl.constexpr):
+  """dS^T's tiles stored as the [K, V] layout's column block."""
+  o = o_c
+  tl.store(p + o[None, :] * V + o_v[:, None], b_h1.to(p.dtype.element_ty),
            mask=mask_v[:, None] & (o < K)[None, :])
+  if K > KT:
+    o = KT + o_c
+    tl.store(p + o[None, :] * V + o_v[:, None], b_h2.to(p.dtype.element_ty),
+             mask=mask_v[:, None] & (o < K)[None, :])
 
 
 @triton.jit
-def _store_state_t(p, b_h1, b_h2, b_h3, b_h4, o_k, o_v, mask_v, K: tl.constexpr,
-                   V: tl.constexpr):
-  _store_tile_t(p, b_h1, 0, o_k, o_v, mask_v, K, V)
-  if K > 64:
-    _store_tile_t(p, b_h2, 1, o_k, o_v, mask_v, K, V)
-  if K > 128:
-    _store_tile_t(p, b_h3, 2, o_k, o_v, mask_v, K, V)
-  if K > 192:
-    _store_tile_t(p, b_h4, 3, o_k, o_v, mask_v, K, V)
+def _rows(p, row, mask_r, i_t, o_c, STRIDE: tl.constexpr, K: tl.constexpr, KT: tl.constexpr):
+  """[BT, KT] slice (columns KT*i_t ..) of the rows `row` of a row-major [*, STRIDE] array."""
+  o = i_t * KT + o_c
+  return tl.load(p + row[:, None] * STRIDE + o[None, :], mask=mask_r[:, None] & (o < K)[None, :],
+                 other=0.)
 
 
 @triton.jit
-def _tile_update_t(b_dh, b_decay, p_q, tok, mask_q, i_t, o_k, b_k, b_dos, b_xs,
-                   H: tl.constexpr, K: tl.constexpr, USE_G: tl.constexpr,
-                   DOT_PRECISION: tl.constexpr):
-  """Columns 64*i_t .. of dS^T <- decay dS^T + (scale do~^T diag(Gamma)) Q~ + (-X^T diag(beta
+def _update_t(b_dh, b_decay, p_q, tok, mask_q, i_t, o_c, b_k, b_dos, b_xs,
+              H: tl.constexpr, K: tl.constexpr, KT: tl.constexpr, USE_G: tl.constexpr,
+              DOT_PRECISION: tl.constexpr):
+  """Columns KT*i_t .. of dS^T <- decay dS^T + (scale do~^T diag(Gamma)) Q~ + (-X^T diag(beta
   Gamma)) K, both products accumulating into dS^T; b_k is the chunk's key tile i_t."""
-  b_q = _row_tile(p_q, tok, mask_q, i_t, o_k, H * K, K)
+  b_q = _rows(p_q, tok, mask_q, i_t, o_c, H * K, K, KT)
   if USE_G:
     b_dh = b_dh * b_decay
   b_dh = tl.dot(b_dos, b_q, b_dh, input_precision=DOT_PRECISION)
@@ -267,7 +267,8 @@ def chunk_h_bwd_t_kernel(
     DOT_PRECISION: tl.constexpr,
 ):
   """chunk_h_bwd_kernel (same arguments, grid and results, dh and the summary in the same
-  [.., K, V] layouts) carrying dS^T, [BV, K] as four [BV, 64] float32 tiles, and dV'^T:
+  [.., K, V] layouts) carrying dS^T, [BV, K] in float32 as one [BV, KT] tile (two at K > 128;
+  KT = 64 up to K = 64, else 128), and dV'^T:
 
       dV'^T = (P^T do~)^T + (dS^T K^T) diag(2^(g_C - G))
       X^T   = dV'^T T
@@ -276,9 +277,11 @@ def chunk_h_bwd_t_kernel(
   The chained operand (dS^T, then dV'^T, then X^T) is always a dot's left operand, which
   Hopper's wgmma takes from registers; the right operands (K^T, T, Q~, K) are tiles loaded for
   the chunk, K^T the transpose of the key tile that K's own product reads. The row scalings
-  move from the loaded tiles onto the registers' columns, so loaded tiles reach the dots as
-  loaded. Transposed loads and stores of do~, P^T do~, dV', dh, dht, dh0 and the summary
-  address them in their usual layouts."""
+  sit on the register operands' columns or on the result, so loaded tiles reach the dots as
+  loaded. With KT = 128 a chunk takes four products at K <= 128 (the 64-row tiles of
+  chunk_h_bwd_kernel: seven). do~, P^T do~, dV', dh, dht, dh0 and the summary are read and
+  written transposed, in their usual layouts."""
+  KT: tl.constexpr = 64 if K <= 64 else 128
   i_nh, i_v, i_p = tl.program_id(0), tl.program_id(1), tl.program_id(2)
   if SUMMARY:
     i_p += 1
@@ -295,34 +298,31 @@ def chunk_h_bwd_t_kernel(
   e_lo = tl.minimum(i_p * n_piece, n_x)
   e_hi = tl.minimum(e_lo + n_piece, n_x)
 
-  o_k, o_v, mask_v, b_dh1, b_dh2, b_dh3, b_dh4 = _zero_state(i_v, V, BV)
+  o_k, o_v, mask_v, _, _, _, _ = _zero_state(i_v, V, BV)
+  o_c = tl.arange(0, KT)
   o_a = tl.arange(0, BT)
   mask_l = mask_v
+  b_dh1 = tl.zeros([BV, KT], dtype=tl.float32)
+  b_dh2 = tl.zeros([BV, KT], dtype=tl.float32)
   if SUMMARY:
-    local, o_v, mask_v, mask_l, b_dh1, b_dh2, b_dh3, b_dh4 = _summary_columns(
-        i_v, o_k, K, V, BV)
-  # The starting tiles are set up as [64, BV] (zeros or the identity's columns), not products.
-  b_dh1 = tl.trans(b_dh1)
-  b_dh2 = tl.trans(b_dh2)
-  b_dh3 = tl.trans(b_dh3)
-  b_dh4 = tl.trans(b_dh4)
+    local, o_v, mask_v, mask_l, _, _, _, _ = _summary_columns(i_v, o_k, K, V, BV)
+    # Pi's columns start as the identity's (transposed: rows o_v of dS^T).
+    mask_i = o_v < tl.where(local, 0, K)
+    b_dh1 = tl.where((o_v[:, None] == o_c[None, :]) & mask_i[:, None], 1., 0.)
+    b_dh2 = tl.where((o_v[:, None] == KT + o_c[None, :]) & mask_i[:, None], 1., 0.)
   if USE_DHT:
     p_t = dht + ((i_n.to(tl.int64) * NP + i_p) * HV + i_hv) * (K * V)
-    b_dh1 = _tile_t(p_t, 0, o_k, o_v, mask_v, K, V)
-    if K > 64:
-      b_dh2 = _tile_t(p_t, 1, o_k, o_v, mask_v, K, V)
-    if K > 128:
-      b_dh3 = _tile_t(p_t, 2, o_k, o_v, mask_v, K, V)
-    if K > 192:
-      b_dh4 = _tile_t(p_t, 3, o_k, o_v, mask_v, K, V)
+    b_dh1 = _cols_t(p_t, 0, o_c, o_v, mask_v, K, V, KT)
+    if K > KT:
+      b_dh2 = _cols_t(p_t, 1, o_c, o_v, mask_v, K, V, KT)
 
   p_q = q + i_h * K
   p_k = k + i_h * K
   for i_r in range(0, e_hi - e_lo):
     i_e = e_hi - 1 - i_r
     if not SUMMARY:
-      p_dh = dh + ((c0 + i_e) * HV + i_hv) * (K * V)
-      _store_state_t(p_dh, b_dh1, b_dh2, b_dh3, b_dh4, o_k, o_v, mask_v, K, V)
+      _store_t(dh + ((c0 + i_e) * HV + i_hv) * (K * V), b_dh1, b_dh2, o_c, o_v, mask_v, K, V,
+               KT)
 
     o_r = i_e * BT + o_a
     mask_r = o_r < len_x
@@ -331,7 +331,6 @@ def chunk_h_bwd_t_kernel(
     mask_q = mask_r & (row % M == M - 1)
     if SUMMARY:
       mask_q = mask_q & (o_a < tl.where(local, BT, 0))
-    m_vr = mask_v[:, None] & mask_r[None, :]
     off_v = row[None, :] * (HV * V) + i_hv * V + o_v[:, None]
     b_beta = tl.load(beta + row * HV + i_hv, mask=mask_r, other=0.)
     if USE_G:
@@ -349,47 +348,33 @@ def chunk_h_bwd_t_kernel(
                    mask=mask_l[:, None] & mask_q[None, :], other=0.)
     b_dos = (b_do.to(tl.float32) * (scale * b_gam)[None, :]).to(k.dtype.element_ty)
 
-    # dS^T K^T over the 64-column tiles of dS^T, dS^T rounded to the input dtype.
-    b_k1 = _row_tile(p_k, row, mask_r, 0, o_k, H * K, K)
+    # dV'^T, dS^T rounded to the input dtype for the tensor cores.
+    b_k1 = _rows(p_k, row, mask_r, 0, o_c, H * K, K, KT)
     b_k2 = b_k1
-    b_k3 = b_k1
-    b_k4 = b_k1
     b_sk = tl.dot(b_dh1.to(b_dos.dtype), tl.trans(b_k1), input_precision=DOT_PRECISION)
-    if K > 64:
-      b_k2 = _row_tile(p_k, row, mask_r, 1, o_k, H * K, K)
+    if K > KT:
+      b_k2 = _rows(p_k, row, mask_r, 1, o_c, H * K, K, KT)
       b_sk = tl.dot(b_dh2.to(b_dos.dtype), tl.trans(b_k2), b_sk, input_precision=DOT_PRECISION)
-    if K > 128:
-      b_k3 = _row_tile(p_k, row, mask_r, 2, o_k, H * K, K)
-      b_sk = tl.dot(b_dh3.to(b_dos.dtype), tl.trans(b_k3), b_sk, input_precision=DOT_PRECISION)
-    if K > 192:
-      b_k4 = _row_tile(p_k, row, mask_r, 3, o_k, H * K, K)
-      b_sk = tl.dot(b_dh4.to(b_dos.dtype), tl.trans(b_k4), b_sk, input_precision=DOT_PRECISION)
     b_dv = tl.load(dv_local + off_v, mask=mask_l[:, None] & mask_r[None, :],
                    other=0.).to(tl.float32) + b_sk * b_kdec[None, :]
     if not SUMMARY:
-      tl.store(dv + off_v, b_dv.to(dv.dtype.element_ty), mask=m_vr)
+      tl.store(dv + off_v, b_dv.to(dv.dtype.element_ty), mask=mask_v[:, None] & mask_r[None, :])
 
+    # X^T = dV'^T T: X^T[:, b] = sum_a dV'^T[:, a] T[a, b].
     b_ai = tl.load(Ai + row[:, None] * (HV * BT) + i_hv * BT + o_a[None, :],
                    mask=mask_r[:, None], other=0.)
     b_x = tl.dot(b_dv.to(b_ai.dtype), b_ai, input_precision=DOT_PRECISION)
     b_xs = (b_x * (-(b_beta * b_gam))[None, :]).to(b_dos.dtype)
-    b_dh1 = _tile_update_t(b_dh1, b_decay, p_q, tok, mask_q, 0, o_k, b_k1, b_dos, b_xs,
-                           H, K, USE_G, DOT_PRECISION)
-    if K > 64:
-      b_dh2 = _tile_update_t(b_dh2, b_decay, p_q, tok, mask_q, 1, o_k, b_k2, b_dos, b_xs,
-                             H, K, USE_G, DOT_PRECISION)
-    if K > 128:
-      b_dh3 = _tile_update_t(b_dh3, b_decay, p_q, tok, mask_q, 2, o_k, b_k3, b_dos, b_xs,
-                             H, K, USE_G, DOT_PRECISION)
-    if K > 192:
-      b_dh4 = _tile_update_t(b_dh4, b_decay, p_q, tok, mask_q, 3, o_k, b_k4, b_dos, b_xs,
-                             H, K, USE_G, DOT_PRECISION)
+    b_dh1 = _update_t(b_dh1, b_decay, p_q, tok, mask_q, 0, o_c, b_k1, b_dos, b_xs, H, K, KT,
+                      USE_G, DOT_PRECISION)
+    if K > KT:
+      b_dh2 = _update_t(b_dh2, b_decay, p_q, tok, mask_q, 1, o_c, b_k2, b_dos, b_xs, H, K, KT,
+                        USE_G, DOT_PRECISION)
 
   if SUMMARY:
     p_s = summary + ((i_n.to(tl.int64) * (NP - 1) + i_p - 1) * HV + i_hv) * (K * (K + V))
-    _store_state_t(p_s, b_dh1, b_dh2, b_dh3, b_dh4, o_k, o_v + tl.where(local, K, 0), mask_v,
-                   K, K + V)
+    _store_t(p_s, b_dh1, b_dh2, o_c, o_v + tl.where(local, K, 0), mask_v, K, K + V, KT)
   if USE_DH0:
-    p_dh0 = dh0 + (i_n.to(tl.int64) * HV + i_hv) * (K * V)
-    _store_state_t(p_dh0, b_dh1, b_dh2, b_dh3, b_dh4, o_k, o_v,
-                   o_v < tl.where(i_p == 0, V, 0), K, V)
+    # dS entering the sequence: what piece 0 ends with.
+    _store_t(dh0 + (i_n.to(tl.int64) * HV + i_hv) * (K * V), b_dh1, b_dh2, o_c, o_v,
+             o_v < tl.where(i_p == 0, V, 0), K, V, KT)
