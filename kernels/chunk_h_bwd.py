@@ -39,6 +39,9 @@ for the chunk, the keys' shared with K dS.
 
 Grid: (N * HV, ceil(V / BV), NP), as the forward scan with a piece axis; with SUMMARY
 (N * HV, ceil(K / BV) + ceil(V / BV), NP - 1). Parameter order: inputs, outputs, constexprs.
+
+chunk_h_bwd_t_kernel is the same pass carrying dS^T, so that every chained operand is a dot's
+left one (BwdConfig.h_bwd_transposed; its docstring has the layout).
 """
 import triton
 import triton.language as tl
