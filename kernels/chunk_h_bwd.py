@@ -283,7 +283,8 @@ def chunk_h_bwd_t_kernel(
   sit on the register operands' columns or on the result, so loaded tiles reach the dots as
   loaded. With KT = 128 a chunk takes four products at K <= 128 (the 64-row tiles of
   chunk_h_bwd_kernel: seven). do~, P^T do~, dV', dh, dht, dh0 and the summary are read and
-  written transposed, in their usual layouts."""
+  written transposed, in their usual layouts. The dots' M is BV: below wgmma's 64 (BV = 32,
+  BwdConfig.h_bv_big_k's default at K > 128) Triton compiles them to mma.sync."""
   KT: tl.constexpr = 64 if K <= 64 else 128
   i_nh, i_v, i_p = tl.program_id(0), tl.program_id(1), tl.program_id(2)
   if SUMMARY:
