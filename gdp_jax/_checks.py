@@ -383,6 +383,7 @@ _PRECISION16 = _choice("tf32x3", "ieee", "tf32")   # dots on 16-bit inputs ("tf3
 _F32 = _choice(*F32_PRECISIONS)   # float32 inputs: float32-level products only
 _COUNT = _int_rule("an int >= 0", lambda x: x >= 0)
 _POSITIVE = _int_rule("an int >= 1", lambda x: x >= 1)
+_BIT = ("0 or 1", lambda x: isinstance(x, int) and x in (0, 1))
 _CONFIG_FIELDS = {
     DecodeConfig: dict(BV=_pow2(1), num_warps=_WARPS, num_stages=_STAGES),
     FwdConfig: dict(
@@ -398,10 +399,10 @@ _CONFIG_FIELDS = {
         h_split=_int_rule("an int >= 0 (0: from the number of programs, 1: never split, n > 1: "
                           "n pieces per sequence)", lambda x: x >= 0),
         h_split_min_programs=_COUNT, h_split_programs=_POSITIVE, h_split_max=_POSITIVE,
-        o_bk=_TILE, o_bv=_TILE, o_warps=_WARPS, o_stages=_STAGES, wy_warps=_WARPS,
+        h_bwd_transposed=_BIT, o_bk=_TILE, o_bv=_TILE, o_warps=_WARPS, o_stages=_STAGES, wy_warps=_WARPS,
         # qk_bwd's rows per program, qk_block // BK, must be a power of two too.
         qk_block=_pow2(16), qk_warps=_WARPS,
-        finish_dk=("0 or 1", lambda x: isinstance(x, int) and x in (0, 1)), f32_precision=_F32),
+        finish_dk=_BIT, f32_precision=_F32),
 }
 
 

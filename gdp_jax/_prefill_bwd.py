@@ -81,6 +81,9 @@ class BwdConfig(NamedTuple):
   h_split_min_programs: int = 66
   h_split_programs: int = 256
   h_split_max: int = 8
+  # 1: chunk_h_bwd_t_kernel, the walk carrying dS^T so that the chained operand of every dot
+  # is its left (register) operand; untimed (docs/performance.md, Training).
+  h_bwd_transposed: int = 0
   # chunk_o_bwd: o_bk columns of K per program, the V loop in steps of o_bv. At row 0 o_bk=128
   # with 8 warps tied (410.5 us against 413.8) and o_bv=128 lost (439.2); one program per
   # (chunk, value head) walking every K block after forming dP once lost too (533.6 us at 4
@@ -261,10 +264,12 @@ def _backward(q, k, v, g, beta, initial_state, cu_seqlens, res, do, dht, static)
       backend=backend, num_warps=cfg.h_warps, num_stages=1 if dtype == jnp.float32 else 2,
       H=H, HV=HV, K=K, V=V, M=M, BT=BT, BV=bv, NP=pieces, USE_G=use_g,
       DOT_PRECISION=prec)
+  h_kernel = ("chunk_h_bwd.chunk_h_bwd_t_kernel" if cfg.h_bwd_transposed
+              else "chunk_h_bwd.chunk_h_bwd_kernel")
   ds_out = dht.astype(f32) if dht is not None else None
   if pieces > 1:
     summary = _launch.call(
-        "chunk_h_bwd.chunk_h_bwd_kernel", *h_args, ph(), *h_tail,
+        h_kernel, *h_args, ph(), *h_tail,
         grid=(N * HV, -(-K // bv) + nv, pieces - 1),
         out_shape=[jax.ShapeDtypeStruct((1,), dtype), jax.ShapeDtypeStruct((1,), dtype),
                    jax.ShapeDtypeStruct((1,), f32),
@@ -272,7 +277,7 @@ def _backward(q, k, v, g, beta, initial_state, cu_seqlens, res, do, dht, static)
         USE_DHT=False, USE_DH0=False, SUMMARY=True, **h_kw)[3]
     ds_out = _piece_states(summary, ds_out, K)
   dh, dvp, dh0, _ = _launch.call(
-      "chunk_h_bwd.chunk_h_bwd_kernel", *h_args, ds_out if ds_out is not None else ph(),
+      h_kernel, *h_args, ds_out if ds_out is not None else ph(),
       *h_tail,
       grid=(N * HV, nv, pieces),
       out_shape=[jax.ShapeDtypeStruct((n_rows_x, HV, K, V), dtype),

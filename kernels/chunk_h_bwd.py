@@ -39,6 +39,9 @@ for the chunk, the keys' shared with K dS.
 
 Grid: (N * HV, ceil(V / BV), NP), as the forward scan with a piece axis; with SUMMARY
 (N * HV, ceil(K / BV) + ceil(V / BV), NP - 1). Parameter order: inputs, outputs, constexprs.
+
+chunk_h_bwd_t_kernel is the same pass carrying dS^T, so that every chained operand is a dot's
+left one (BwdConfig.h_bwd_transposed; its docstring has the layout).
 """
 import triton
 import triton.language as tl
@@ -214,3 +217,168 @@ def chunk_h_bwd_kernel(
     p_dh0 = dh0 + (i_n.to(tl.int64) * HV + i_hv) * (K * V)
     _store_state(p_dh0, b_dh1, b_dh2, b_dh3, b_dh4, o_k, o_v, o_v < tl.where(i_p == 0, V, 0),
                  K, V)
+@triton.jit
+def _cols_t(p, i_t, o_c, o_v, mask_v, K: tl.constexpr, V: tl.constexpr, KT: tl.constexpr):
+  """Columns KT*i_t .. of the [BV, K] transpose of a [K, V] state's column block at p."""
+  o = i_t * KT + o_c
+  return tl.load(p + o[None, :] * V + o_v[:, None], mask=mask_v[:, None] & (o < K)[None, :],
+                 other=0.)
+
+
+@triton.jit
+def _store_t(p, b_h1, b_h2, o_c, o_v, mask_v, K: tl.constexpr, V: tl.constexpr,
+             KT: tl.constexpr):
+  """dS^T's tiles stored as the [K, V] layout's column block."""
+  o = o_c
+  tl.store(p + o[None, :] * V + o_v[:, None], b_h1.to(p.dtype.element_ty),
+           mask=mask_v[:, None] & (o < K)[None, :])
+  if K > KT:
+    o = KT + o_c
+    tl.store(p + o[None, :] * V + o_v[:, None], b_h2.to(p.dtype.element_ty),
+             mask=mask_v[:, None] & (o < K)[None, :])
+
+
+@triton.jit
+def _rows(p, row, mask_r, i_t, o_c, STRIDE: tl.constexpr, K: tl.constexpr, KT: tl.constexpr):
+  """[BT, KT] slice (columns KT*i_t ..) of the rows `row` of a row-major [*, STRIDE] array."""
+  o = i_t * KT + o_c
+  return tl.load(p + row[:, None] * STRIDE + o[None, :], mask=mask_r[:, None] & (o < K)[None, :],
+                 other=0.)
+
+
+@triton.jit
+def _update_t(b_dh, b_decay, p_q, tok, mask_q, i_t, o_c, b_k, b_dos, b_xs,
+              H: tl.constexpr, K: tl.constexpr, KT: tl.constexpr, USE_G: tl.constexpr,
+              DOT_PRECISION: tl.constexpr):
+  """Columns KT*i_t .. of dS^T <- decay dS^T + (scale do~^T diag(Gamma)) Q~ + (-X^T diag(beta
+  Gamma)) K, both products accumulating into dS^T; b_k is the chunk's key tile i_t."""
+  b_q = _rows(p_q, tok, mask_q, i_t, o_c, H * K, K, KT)
+  if USE_G:
+    b_dh = b_dh * b_decay
+  b_dh = tl.dot(b_dos, b_q, b_dh, input_precision=DOT_PRECISION)
+  b_dh = tl.dot(b_xs, b_k, b_dh, input_precision=DOT_PRECISION)
+  return b_dh
+
+
+@triton.jit
+def chunk_h_bwd_t_kernel(
+    q, k, g_cum, beta, Ai, do, dv_local, dht, cu_seqlens, chunk_offsets, scale,
+    dh, dv, dh0, summary,
+    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, M: tl.constexpr,
+    BT: tl.constexpr, BV: tl.constexpr, NP: tl.constexpr,
+    USE_G: tl.constexpr, USE_DHT: tl.constexpr, USE_DH0: tl.constexpr, SUMMARY: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+  """chunk_h_bwd_kernel (same arguments, grid and results, dh and the summary in the same
+  [.., K, V] layouts) carrying dS^T, [BV, K] in float32 as one [BV, KT] tile (two at K > 128;
+  KT = 64 up to K = 64, else 128), and dV'^T:
+
+      dV'^T = (P^T do~)^T + (dS^T K^T) diag(2^(g_C - G))
+      X^T   = dV'^T T
+      dS^T <- 2^g_C dS^T + (scale do~^T diag(Gamma)) Q~ - (X^T diag(beta Gamma)) K
+
+  The chained operand (dS^T, then dV'^T, then X^T) is always a dot's left operand, which
+  Hopper's wgmma takes from registers; the right operands (K^T, T, Q~, K) are tiles loaded for
+  the chunk, K^T the transpose of the key tile that K's own product reads. The row scalings
+  sit on the register operands' columns or on the result, so loaded tiles reach the dots as
+  loaded. With KT = 128 a chunk takes four products at K <= 128 (the 64-row tiles of
+  chunk_h_bwd_kernel: seven). do~, P^T do~, dV', dh, dht, dh0 and the summary are read and
+  written transposed, in their usual layouts. The dots' M is BV: below wgmma's 64 (BV = 32,
+  BwdConfig.h_bv_big_k's default at K > 128) Triton compiles them to mma.sync."""
+  KT: tl.constexpr = 64 if K <= 64 else 128
+  i_nh, i_v, i_p = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+  if SUMMARY:
+    i_p += 1
+  i_n = i_nh // HV
+  i_hv = i_nh % HV
+  i_h = i_hv // (HV // H)
+  bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+  eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
+  len_x = (eos - bos) * M
+  bos_x = bos * M
+  n_x = tl.cdiv(len_x, BT)
+  c0 = tl.load(chunk_offsets + i_n).to(tl.int64)
+  n_piece = tl.cdiv(n_x, NP)
+  e_lo = tl.minimum(i_p * n_piece, n_x)
+  e_hi = tl.minimum(e_lo + n_piece, n_x)
+
+  o_k, o_v, mask_v, _, _, _, _ = _zero_state(i_v, V, BV)
+  o_c = tl.arange(0, KT)
+  o_a = tl.arange(0, BT)
+  mask_l = mask_v
+  b_dh1 = tl.zeros([BV, KT], dtype=tl.float32)
+  b_dh2 = tl.zeros([BV, KT], dtype=tl.float32)
+  if SUMMARY:
+    local, o_v, mask_v, mask_l, _, _, _, _ = _summary_columns(i_v, o_k, K, V, BV)
+    # Pi's columns start as the identity's (transposed: rows o_v of dS^T).
+    mask_i = o_v < tl.where(local, 0, K)
+    b_dh1 = tl.where((o_v[:, None] == o_c[None, :]) & mask_i[:, None], 1., 0.)
+    b_dh2 = tl.where((o_v[:, None] == KT + o_c[None, :]) & mask_i[:, None], 1., 0.)
+  if USE_DHT:
+    p_t = dht + ((i_n.to(tl.int64) * NP + i_p) * HV + i_hv) * (K * V)
+    b_dh1 = _cols_t(p_t, 0, o_c, o_v, mask_v, K, V, KT)
+    if K > KT:
+      b_dh2 = _cols_t(p_t, 1, o_c, o_v, mask_v, K, V, KT)
+
+  p_q = q + i_h * K
+  p_k = k + i_h * K
+  for i_r in range(0, e_hi - e_lo):
+    i_e = e_hi - 1 - i_r
+    if not SUMMARY:
+      _store_t(dh + ((c0 + i_e) * HV + i_hv) * (K * V), b_dh1, b_dh2, o_c, o_v, mask_v, K, V,
+               KT)
+
+    o_r = i_e * BT + o_a
+    mask_r = o_r < len_x
+    row = bos_x + o_r
+    tok = row // M
+    mask_q = mask_r & (row % M == M - 1)
+    if SUMMARY:
+      mask_q = mask_q & (o_a < tl.where(local, BT, 0))
+    off_v = row[None, :] * (HV * V) + i_hv * V + o_v[:, None]
+    b_beta = tl.load(beta + row * HV + i_hv, mask=mask_r, other=0.)
+    if USE_G:
+      b_g = tl.load(g_cum + row * HV + i_hv, mask=mask_r, other=0.)
+      i_last = tl.minimum(i_e * BT + BT, len_x) - 1
+      b_g_last = tl.load(g_cum + (bos_x + i_last) * HV + i_hv)
+      b_gam = tl.where(mask_r, tl.exp2(b_g), 0.)
+      b_kdec = tl.where(mask_r, tl.exp2(b_g_last - b_g), 0.)
+      b_decay = tl.exp2(b_g_last)
+    else:
+      b_gam = tl.where(mask_r, 1., 0.)
+      b_kdec = b_gam
+      b_decay = 1.
+    b_do = tl.load(do + tok[None, :] * (HV * V) + i_hv * V + o_v[:, None],
+                   mask=mask_l[:, None] & mask_q[None, :], other=0.)
+    b_dos = (b_do.to(tl.float32) * (scale * b_gam)[None, :]).to(k.dtype.element_ty)
+
+    # dV'^T, dS^T rounded to the input dtype for the tensor cores.
+    b_k1 = _rows(p_k, row, mask_r, 0, o_c, H * K, K, KT)
+    b_k2 = b_k1
+    b_sk = tl.dot(b_dh1.to(b_dos.dtype), tl.trans(b_k1), input_precision=DOT_PRECISION)
+    if K > KT:
+      b_k2 = _rows(p_k, row, mask_r, 1, o_c, H * K, K, KT)
+      b_sk = tl.dot(b_dh2.to(b_dos.dtype), tl.trans(b_k2), b_sk, input_precision=DOT_PRECISION)
+    b_dv = tl.load(dv_local + off_v, mask=mask_l[:, None] & mask_r[None, :],
+                   other=0.).to(tl.float32) + b_sk * b_kdec[None, :]
+    if not SUMMARY:
+      tl.store(dv + off_v, b_dv.to(dv.dtype.element_ty), mask=mask_v[:, None] & mask_r[None, :])
+
+    # X^T = dV'^T T: X^T[:, b] = sum_a dV'^T[:, a] T[a, b].
+    b_ai = tl.load(Ai + row[:, None] * (HV * BT) + i_hv * BT + o_a[None, :],
+                   mask=mask_r[:, None], other=0.)
+    b_x = tl.dot(b_dv.to(b_ai.dtype), b_ai, input_precision=DOT_PRECISION)
+    b_xs = (b_x * (-(b_beta * b_gam))[None, :]).to(b_dos.dtype)
+    b_dh1 = _update_t(b_dh1, b_decay, p_q, tok, mask_q, 0, o_c, b_k1, b_dos, b_xs, H, K, KT,
+                      USE_G, DOT_PRECISION)
+    if K > KT:
+      b_dh2 = _update_t(b_dh2, b_decay, p_q, tok, mask_q, 1, o_c, b_k2, b_dos, b_xs, H, K, KT,
+                        USE_G, DOT_PRECISION)
+
+  if SUMMARY:
+    p_s = summary + ((i_n.to(tl.int64) * (NP - 1) + i_p - 1) * HV + i_hv) * (K * (K + V))
+    _store_t(p_s, b_dh1, b_dh2, o_c, o_v + tl.where(local, K, 0), mask_v, K, K + V, KT)
+  if USE_DH0:
+    # dS entering the sequence: what piece 0 ends with.
+    _store_t(dh0 + (i_n.to(tl.int64) * HV + i_hv) * (K * V), b_dh1, b_dh2, o_c, o_v,
+             o_v < tl.where(i_p == 0, V, 0), K, V, KT)

@@ -442,6 +442,75 @@ def test_split_state_pass_gpu(dtype):
       assert bits_equal(a[n], b[n]), f"d{n} differs between two identical runs ({cfg})"
 
 
+# The reverse state pass carrying dS^T (BwdConfig.h_bwd_transposed): the default's awkward
+# cases (T not a multiple of 64, K and V masks, GVA, M = 1..3, four state tiles, a packed batch
+# with an empty sequence, initial state and final-state cotangent), unsplit and in 2 and 3
+# pieces (SPLIT_CASES: K != V, Pi's second column block part empty).
+TRANSPOSED_CASES = [CASES[i] for i in (0, 1, 2, 3, 4, 5, 6)] + SPLIT_CASES
+
+
+@pytest.mark.parametrize("c", TRANSPOSED_CASES, ids=lambda c: c.id)
+def test_transposed_state_pass(c):
+  """Against the reference unsplit and in 2 and 3 pieces, and within float32 rounding (the
+  products' operands rounded at other points in bfloat16) of the default walk's gradients."""
+  tol = 1e-5 if c.dtype == "float32" else 2e-2
+  default, *outs = check_grads(
+      c, KERNEL_BACKEND,
+      configs=[_prefill_bwd.BwdConfig(h_split=1)] + [
+          _prefill_bwd.BwdConfig(h_bwd_transposed=1, h_split=p) for p in (1, 2, 3)])
+  for P, out in zip((1, 2, 3), outs):
+    for n in out:
+      e = err_ratio(default[n], out[n])
+      assert e < tol, f"d{n}, {P} pieces: ratio {e:.3e} to the default walk"
+
+
+def test_transposed_state_pass_launches(monkeypatch):
+  """h_bwd_transposed swaps the reverse pass's kernel in both of its launches, nothing else."""
+  c = Case(T=40, HV=2, K=40, V=24, M=2)
+  x, cts, kw = make_inputs(c, 0)
+
+  def launches(cfg):
+    seen = spy_launches(monkeypatch, lambda kernel, args, kwargs: (kernel, kwargs.get("SUMMARY")))
+    jax.eval_shape(lambda x: grads(x, cts, kw, KERNEL_BACKEND, cfg), _cast(c, x))
+    return seen
+
+  default = launches(_prefill_bwd.BwdConfig(h_split=2))
+  turned = launches(_prefill_bwd.BwdConfig(h_split=2, h_bwd_transposed=1))
+  h, t = "chunk_h_bwd.chunk_h_bwd_kernel", "chunk_h_bwd.chunk_h_bwd_t_kernel"
+  assert [(h, True), (h, False)] == [x for x in default if x[0] == h]
+  assert [(t if k == h else k, s) for k, s in default] == turned
+
+
+# The transposed walk compiled: the default's GPU state-pass shapes (unsplit with enough
+# programs, and one long sequence in 8 pieces), K = 128 and K = 256.
+TRANSPOSED_GPU_CASES = [
+    (Case(B=4, T=400, H=4, HV=16, K=128, V=128, M=3, dtype="float32", l2norm=True), 1),
+    (Case(B=2, T=600, H=4, HV=8, K=128, V=128, M=2, dtype="bfloat16", l2norm=True), 1),
+    (Case(B=2, T=500, H=2, HV=4, K=256, V=512, M=2, dtype="bfloat16", l2norm=True), 1),
+    (Case(B=2, T=500, H=2, HV=4, K=256, V=512, M=2, dtype="float32", l2norm=True), 1),
+    (Case(B=1, T=1200, H=4, HV=8, K=128, V=128, M=2, dtype="bfloat16", l2norm=True,
+          varlen=(700, 0, 63, 1, 300, 130)), 0),
+    (Case(B=1, T=4096, H=4, HV=4, K=128, V=128, M=2, dtype="bfloat16", l2norm=True), 8),
+    (Case(B=1, T=4096, H=4, HV=4, K=128, V=128, M=2, dtype="float32", l2norm=True), 8),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("c,split", TRANSPOSED_GPU_CASES,
+                         ids=[f"{c.id}-split{s}" for c, s in TRANSPOSED_GPU_CASES])
+def test_transposed_state_pass_gpu(c, split):
+  """Against the reference, and two runs bitwise equal (the patterns Triton miscompiles on
+  Hopper showed as run-to-run differences)."""
+  cfg = _prefill_bwd.BwdConfig(h_bwd_transposed=1, h_split=split)
+  check_grads(c, "triton", configs=[cfg])
+  x, cts, kw = make_inputs(c, 0)
+  xk = _cast(c, x)
+  f = jax.jit(lambda x: grads(x, cts, kw, "triton", cfg))
+  a, b = f(xk), f(xk)
+  for n in x:
+    assert bits_equal(a[n], b[n]), f"d{n} differs between two identical runs ({cfg})"
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 @pytest.mark.parametrize("HV", [8, 4])   # 4 = H: dk finished by chunk_wy_bwd
