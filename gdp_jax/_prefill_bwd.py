@@ -68,7 +68,9 @@ class BwdConfig(NamedTuple):
   32, 797 at 16; split into pieces (docs/algorithm.md §13.3) at BV 64 it took 502 us in 8
   pieces and 600 in 4 (the two launches), at BV 32 in 4 pieces 755, at BV 16 in 2 pieces 953;
   fwd+bwd 2.211 ms (8 pieces, BV 64) against 2.443 (unsplit, BV 16), the pieces' float32 chain
-  in XLA included (2026-12-01).
+  in XLA included (2026-12-01). Those numbers are for the walk carrying dS; carrying dS^T
+  (2026-12-02) it takes 274 us at row 0 (294 before) and 698 at row 4 (1110 before) at 4 warps;
+  8 warps: 321 and 688.
   """
   h_bv: int = 64          # K <= 128
   h_bv_big_k: int = 32    # K > 128 (four 64-row tiles of dS)
@@ -81,9 +83,6 @@ class BwdConfig(NamedTuple):
   h_split_min_programs: int = 66
   h_split_programs: int = 256
   h_split_max: int = 8
-  # 1: chunk_h_bwd_t_kernel, the walk carrying dS^T so that the chained operand of every dot
-  # is its left (register) operand; untimed (docs/performance.md, Training).
-  h_bwd_transposed: int = 0
   # chunk_o_bwd: o_bk columns of K per program, the V loop in steps of o_bv. At row 0 o_bk=128
   # with 8 warps tied (410.5 us against 413.8) and o_bv=128 lost (439.2); one program per
   # (chunk, value head) walking every K block after forming dP once lost too (533.6 us at 4
@@ -264,12 +263,10 @@ def _backward(q, k, v, g, beta, initial_state, cu_seqlens, res, do, dht, static)
       backend=backend, num_warps=cfg.h_warps, num_stages=1 if dtype == jnp.float32 else 2,
       H=H, HV=HV, K=K, V=V, M=M, BT=BT, BV=bv, NP=pieces, USE_G=use_g,
       DOT_PRECISION=prec)
-  h_kernel = ("chunk_h_bwd.chunk_h_bwd_t_kernel" if cfg.h_bwd_transposed
-              else "chunk_h_bwd.chunk_h_bwd_kernel")
   ds_out = dht.astype(f32) if dht is not None else None
   if pieces > 1:
     summary = _launch.call(
-        h_kernel, *h_args, ph(), *h_tail,
+        "chunk_h_bwd.chunk_h_bwd_kernel", *h_args, ph(), *h_tail,
         grid=(N * HV, -(-K // bv) + nv, pieces - 1),
         out_shape=[jax.ShapeDtypeStruct((1,), dtype), jax.ShapeDtypeStruct((1,), dtype),
                    jax.ShapeDtypeStruct((1,), f32),
@@ -277,7 +274,7 @@ def _backward(q, k, v, g, beta, initial_state, cu_seqlens, res, do, dht, static)
         USE_DHT=False, USE_DH0=False, SUMMARY=True, **h_kw)[3]
     ds_out = _piece_states(summary, ds_out, K)
   dh, dvp, dh0, _ = _launch.call(
-      h_kernel, *h_args, ds_out if ds_out is not None else ph(),
+      "chunk_h_bwd.chunk_h_bwd_kernel", *h_args, ds_out if ds_out is not None else ph(),
       *h_tail,
       grid=(N * HV, nv, pieces),
       out_shape=[jax.ShapeDtypeStruct((n_rows_x, HV, K, V), dtype),

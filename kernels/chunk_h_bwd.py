@@ -12,7 +12,8 @@ valid row, T = (I + A)^-1 and Kb = diag(beta Gamma) K (so W = T Kb):
 
 P^T do~ does not depend on dS: chunk_dv_bwd computes it for every chunk in parallel beforehand,
 which leaves the chain per chunk K dS, T^T dV' and the update. One program carries the [K, BV]
-column slice of dS in float32 registers (64-row tiles, as the forward scan) from the final-state
+column slice of dS, transposed (dS^T, so that the chained operand of every dot is its left,
+register operand; the kernel's docstring has the layout), in float32 from the final-state
 cotangent (or zeros) back to the sequence start, and writes per chunk the dS it received (dh,
 the cotangent of the state leaving the chunk, read by chunk_o_bwd) and dV' (read by chunk_o_bwd
 and chunk_wy_bwd), both in the dtype of their buffers (the input dtype: a bf16 dh halves the
@@ -34,189 +35,18 @@ from its dS_out(p) (read from `dht`), writing dh and dV' for its own chunks; pie
 dh0. NP = 1 is the unsplit walk: one piece from dht.
 
 No operand of a dot is the transpose of another dot's result: Triton 3.4 to 3.7.0 miscompiles
-that pattern on Hopper (FLA #640). Transposed operands are transposes of tiles loaded (coalesced)
-for the chunk, the keys' shared with K dS.
+that pattern on Hopper (FLA #640). The one transposed operand, K^T, is the
+transpose of the key tile loaded for the chunk's other key product.
 
 Grid: (N * HV, ceil(V / BV), NP), as the forward scan with a piece axis; with SUMMARY
 (N * HV, ceil(K / BV) + ceil(V / BV), NP - 1). Parameter order: inputs, outputs, constexprs.
-
-chunk_h_bwd_t_kernel is the same pass carrying dS^T, so that every chained operand is a dot's
-left one (BwdConfig.h_bwd_transposed; its docstring has the layout).
 """
 import triton
 import triton.language as tl
 
-from .chunk_h import _load_state, _row_tile, _store_state, _summary_columns, _zero_state
+from .chunk_h import _summary_columns, _zero_state
 
 
-@triton.jit
-def _tile_update(b_dh, b_decay, p_q, tok, mask_q, i_t, o_k, b_k, b_gq, b_kb, b_do, b_x, scale,
-                 H: tl.constexpr, K: tl.constexpr, USE_G: tl.constexpr,
-                 DOT_PRECISION: tl.constexpr):
-  """64-row tile i_t of dS <- decay dS + scale (Gamma Q~)^T do~ - Kb^T X, X = T^T dV'; b_k is
-  the chunk's key tile i_t, loaded for K dS."""
-  b_q = _row_tile(p_q, tok, mask_q, i_t, o_k, H * K, K)
-  b_qt = tl.trans((b_q.to(tl.float32) * b_gq[:, None]).to(b_do.dtype))
-  b_kt = tl.trans((b_k.to(tl.float32) * b_kb[:, None]).to(b_do.dtype))
-  if USE_G:
-    b_dh = b_dh * b_decay
-  b_dh += scale * tl.dot(b_qt, b_do, input_precision=DOT_PRECISION)
-  b_dh -= tl.dot(b_kt, b_x, input_precision=DOT_PRECISION)
-  return b_dh
-
-
-@triton.jit
-def chunk_h_bwd_kernel(
-    # inputs
-    q,              # [T, H, K] (normalised) queries, input dtype: q~ on each token's last copy
-    k,              # [T*M, H, K] (normalised) keys, input dtype
-    g_cum,          # [T*M, HV] float32 Gx (log2 units); a placeholder when USE_G is False
-    beta,           # [T*M, HV] float32
-    Ai,             # [T*M, HV, BT] (I + A)^-1, input dtype
-    do,             # [T, HV, V] output cotangent, input dtype: do~ on each last copy
-    dv_local,       # [T*M, HV, V] P^T do~ (chunk_dv_bwd), input dtype
-    dht,            # [N, NP, HV, K, V] float32 cotangent of the state leaving each piece (the
-                    # final-state cotangent at NP = 1); placeholder unless USE_DHT
-    cu_seqlens,     # [N+1] int32 token-stream sequence starts
-    chunk_offsets,  # [N+1] int32 first row of each sequence in dh (expanded chunks)
-    scale,          # float32 query scale
-    # outputs
-    dh,             # [NXR, HV, K, V] cotangent of the state leaving each chunk, input dtype;
-                    # placeholder with SUMMARY
-    dv,             # [T*M, HV, V] dV', input dtype; placeholder with SUMMARY
-    dh0,            # [N, HV, K, V] float32 initial-state cotangent; placeholder unless USE_DH0
-    summary,        # [N, NP-1, HV, K, K+V] float32 [Pi | E] of pieces 1..NP-1; placeholder
-                    # unless SUMMARY
-    # sizes
-    H: tl.constexpr,
-    HV: tl.constexpr,
-    K: tl.constexpr,
-    V: tl.constexpr,
-    M: tl.constexpr,
-    BT: tl.constexpr,
-    BV: tl.constexpr,
-    NP: tl.constexpr,   # pieces per sequence
-    # flags
-    USE_G: tl.constexpr,
-    USE_DHT: tl.constexpr,
-    USE_DH0: tl.constexpr,
-    SUMMARY: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
-):
-  i_nh, i_v, i_p = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-  if SUMMARY:
-    i_p += 1
-  i_n = i_nh // HV
-  i_hv = i_nh % HV
-  i_h = i_hv // (HV // H)
-  bos = tl.load(cu_seqlens + i_n).to(tl.int64)
-  eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
-  len_x = (eos - bos) * M
-  bos_x = bos * M
-  n_x = tl.cdiv(len_x, BT)
-  c0 = tl.load(chunk_offsets + i_n).to(tl.int64)
-  # This program's piece: chunks [e_lo, e_hi), empty past the sequence's end.
-  n_piece = tl.cdiv(n_x, NP)
-  e_lo = tl.minimum(i_p * n_piece, n_x)
-  e_hi = tl.minimum(e_lo + n_piece, n_x)
-
-  o_k, o_v, mask_v, b_dh1, b_dh2, b_dh3, b_dh4 = _zero_state(i_v, V, BV)
-  o_a = tl.arange(0, BT)
-  mask_l = mask_v   # the columns that see the chunks' own terms (q~, do~, P^T do~)
-  if SUMMARY:
-    # Pi's columns from the identity without the chunks' own terms, E's from zero with them.
-    local, o_v, mask_v, mask_l, b_dh1, b_dh2, b_dh3, b_dh4 = _summary_columns(
-        i_v, o_k, K, V, BV)
-  if USE_DHT:
-    b_dh1, b_dh2, b_dh3, b_dh4 = _load_state(
-        dht + ((i_n.to(tl.int64) * NP + i_p) * HV + i_hv) * (K * V), o_k, o_v, mask_v, K, V)
-
-  p_q = q + i_h * K
-  p_k = k + i_h * K
-  for i_r in range(0, e_hi - e_lo):
-    i_e = e_hi - 1 - i_r
-    if not SUMMARY:
-      p_dh = dh + ((c0 + i_e) * HV + i_hv) * (K * V)
-      _store_state(p_dh, b_dh1, b_dh2, b_dh3, b_dh4, o_k, o_v, mask_v, K, V)
-
-    o_r = i_e * BT + o_a
-    mask_r = o_r < len_x
-    row = bos_x + o_r
-    tok = row // M
-    mask_q = mask_r & (row % M == M - 1)
-    if SUMMARY:
-      # Pi's columns read no q~ (nor do~, P^T do~: mask_l).
-      mask_q = mask_q & (o_a < tl.where(local, BT, 0))
-    m_rv = mask_r[:, None] & mask_v[None, :]
-    off_v = row[:, None] * (HV * V) + i_hv * V + o_v[None, :]
-    b_do = tl.load(do + tok[:, None] * (HV * V) + i_hv * V + o_v[None, :],
-                   mask=mask_q[:, None] & mask_l[None, :], other=0.).to(k.dtype.element_ty)
-    b_beta = tl.load(beta + row * HV + i_hv, mask=mask_r, other=0.)
-    if USE_G:
-      b_g = tl.load(g_cum + row * HV + i_hv, mask=mask_r, other=0.)
-      i_last = tl.minimum(i_e * BT + BT, len_x) - 1
-      b_g_last = tl.load(g_cum + (bos_x + i_last) * HV + i_hv)
-      b_gam = tl.where(mask_r, tl.exp2(b_g), 0.)
-      b_kdec = tl.where(mask_r, tl.exp2(b_g_last - b_g), 0.)
-      b_decay = tl.exp2(b_g_last)
-    else:
-      b_gam = tl.where(mask_r, 1., 0.)
-      b_kdec = b_gam
-      b_decay = 1.
-
-    # dV' = P^T do~ (chunk_dv_bwd) + diag(2^(g_C - G)) K dS, dS rounded to the input dtype for
-    # the tensor cores.
-    b_k1 = _row_tile(p_k, row, mask_r, 0, o_k, H * K, K)
-    b_k2 = b_k1
-    b_k3 = b_k1
-    b_k4 = b_k1
-    b_dv = tl.load(dv_local + off_v, mask=mask_r[:, None] & mask_l[None, :],
-                   other=0.).to(tl.float32)
-    b_dv += tl.dot((b_k1.to(tl.float32) * b_kdec[:, None]).to(b_do.dtype),
-                   b_dh1.to(b_do.dtype), input_precision=DOT_PRECISION)
-    if K > 64:
-      b_k2 = _row_tile(p_k, row, mask_r, 1, o_k, H * K, K)
-      b_dv += tl.dot((b_k2.to(tl.float32) * b_kdec[:, None]).to(b_do.dtype),
-                     b_dh2.to(b_do.dtype), input_precision=DOT_PRECISION)
-    if K > 128:
-      b_k3 = _row_tile(p_k, row, mask_r, 2, o_k, H * K, K)
-      b_dv += tl.dot((b_k3.to(tl.float32) * b_kdec[:, None]).to(b_do.dtype),
-                     b_dh3.to(b_do.dtype), input_precision=DOT_PRECISION)
-    if K > 192:
-      b_k4 = _row_tile(p_k, row, mask_r, 3, o_k, H * K, K)
-      b_dv += tl.dot((b_k4.to(tl.float32) * b_kdec[:, None]).to(b_do.dtype),
-                     b_dh4.to(b_do.dtype), input_precision=DOT_PRECISION)
-    if not SUMMARY:
-      tl.store(dv + off_v, b_dv.to(dv.dtype.element_ty), mask=m_rv)
-
-    # X = T^T dV': X[b] = sum_a T[a, b] dV'[a].
-    b_ai = tl.load(Ai + row[:, None] * (HV * BT) + i_hv * BT + o_a[None, :],
-                   mask=mask_r[:, None], other=0.)
-    b_x = tl.dot(tl.trans(b_ai), b_dv.to(b_ai.dtype), input_precision=DOT_PRECISION)
-    b_x = b_x.to(b_do.dtype)
-    b_kb = b_beta * b_gam
-    b_dh1 = _tile_update(b_dh1, b_decay, p_q, tok, mask_q, 0, o_k, b_k1, b_gam, b_kb, b_do, b_x,
-                         scale, H, K, USE_G, DOT_PRECISION)
-    if K > 64:
-      b_dh2 = _tile_update(b_dh2, b_decay, p_q, tok, mask_q, 1, o_k, b_k2, b_gam, b_kb, b_do,
-                           b_x, scale, H, K, USE_G, DOT_PRECISION)
-    if K > 128:
-      b_dh3 = _tile_update(b_dh3, b_decay, p_q, tok, mask_q, 2, o_k, b_k3, b_gam, b_kb, b_do,
-                           b_x, scale, H, K, USE_G, DOT_PRECISION)
-    if K > 192:
-      b_dh4 = _tile_update(b_dh4, b_decay, p_q, tok, mask_q, 3, o_k, b_k4, b_gam, b_kb, b_do,
-                           b_x, scale, H, K, USE_G, DOT_PRECISION)
-
-  if SUMMARY:
-    # [Pi | E] side by side in one row of K + V columns.
-    p_s = summary + ((i_n.to(tl.int64) * (NP - 1) + i_p - 1) * HV + i_hv) * (K * (K + V))
-    _store_state(p_s, b_dh1, b_dh2, b_dh3, b_dh4, o_k, o_v + tl.where(local, K, 0), mask_v, K,
-                 K + V)
-  if USE_DH0:
-    # dS entering the sequence: what piece 0 ends with.
-    p_dh0 = dh0 + (i_n.to(tl.int64) * HV + i_hv) * (K * V)
-    _store_state(p_dh0, b_dh1, b_dh2, b_dh3, b_dh4, o_k, o_v, o_v < tl.where(i_p == 0, V, 0),
-                 K, V)
 @triton.jit
 def _cols_t(p, i_t, o_c, o_v, mask_v, K: tl.constexpr, V: tl.constexpr, KT: tl.constexpr):
   """Columns KT*i_t .. of the [BV, K] transpose of a [K, V] state's column block at p."""
@@ -261,16 +91,44 @@ def _update_t(b_dh, b_decay, p_q, tok, mask_q, i_t, o_c, b_k, b_dos, b_xs,
 
 
 @triton.jit
-def chunk_h_bwd_t_kernel(
-    q, k, g_cum, beta, Ai, do, dv_local, dht, cu_seqlens, chunk_offsets, scale,
-    dh, dv, dh0, summary,
-    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, M: tl.constexpr,
-    BT: tl.constexpr, BV: tl.constexpr, NP: tl.constexpr,
-    USE_G: tl.constexpr, USE_DHT: tl.constexpr, USE_DH0: tl.constexpr, SUMMARY: tl.constexpr,
+def chunk_h_bwd_kernel(
+    # inputs
+    q,              # [T, H, K] (normalised) queries, input dtype: q~ on each token's last copy
+    k,              # [T*M, H, K] (normalised) keys, input dtype
+    g_cum,          # [T*M, HV] float32 Gx (log2 units); a placeholder when USE_G is False
+    beta,           # [T*M, HV] float32
+    Ai,             # [T*M, HV, BT] (I + A)^-1, input dtype
+    do,             # [T, HV, V] output cotangent, input dtype: do~ on each last copy
+    dv_local,       # [T*M, HV, V] P^T do~ (chunk_dv_bwd), input dtype
+    dht,            # [N, NP, HV, K, V] float32 cotangent of the state leaving each piece (the
+                    # final-state cotangent at NP = 1); placeholder unless USE_DHT
+    cu_seqlens,     # [N+1] int32 token-stream sequence starts
+    chunk_offsets,  # [N+1] int32 first row of each sequence in dh (expanded chunks)
+    scale,          # float32 query scale
+    # outputs
+    dh,             # [NXR, HV, K, V] cotangent of the state leaving each chunk, input dtype;
+                    # placeholder with SUMMARY
+    dv,             # [T*M, HV, V] dV', input dtype; placeholder with SUMMARY
+    dh0,            # [N, HV, K, V] float32 initial-state cotangent; placeholder unless USE_DH0
+    summary,        # [N, NP-1, HV, K, K+V] float32 [Pi | E] of pieces 1..NP-1; placeholder
+                    # unless SUMMARY
+    # sizes
+    H: tl.constexpr,
+    HV: tl.constexpr,
+    K: tl.constexpr,
+    V: tl.constexpr,
+    M: tl.constexpr,
+    BT: tl.constexpr,
+    BV: tl.constexpr,
+    NP: tl.constexpr,   # pieces per sequence
+    # flags
+    USE_G: tl.constexpr,
+    USE_DHT: tl.constexpr,
+    USE_DH0: tl.constexpr,
+    SUMMARY: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-  """chunk_h_bwd_kernel (same arguments, grid and results, dh and the summary in the same
-  [.., K, V] layouts) carrying dS^T, [BV, K] in float32 as one [BV, KT] tile (two at K > 128;
+  """The reverse pass carrying dS^T, [BV, K] in float32 as one [BV, KT] tile (two at K > 128;
   KT = 64 up to K = 64, else 128), and dV'^T:
 
       dV'^T = (P^T do~)^T + (dS^T K^T) diag(2^(g_C - G))
@@ -281,8 +139,8 @@ def chunk_h_bwd_t_kernel(
   Hopper's wgmma takes from registers; the right operands (K^T, T, Q~, K) are tiles loaded for
   the chunk, K^T the transpose of the key tile that K's own product reads. The row scalings
   sit on the register operands' columns or on the result, so loaded tiles reach the dots as
-  loaded. With KT = 128 a chunk takes four products at K <= 128 (the 64-row tiles of
-  chunk_h_bwd_kernel: seven). do~, P^T do~, dV', dh, dht, dh0 and the summary are read and
+  loaded. With KT = 128 a chunk takes four products at K <= 128 (carrying dS in 64-row tiles
+  took seven: docs/performance.md, Training). do~, P^T do~, dV', dh, dht, dh0 and the summary are read and
   written transposed, in their usual layouts. The dots' M is BV: below wgmma's 64 (BV = 32,
   BwdConfig.h_bv_big_k's default at K > 128) Triton compiles them to mma.sync."""
   KT: tl.constexpr = 64 if K <= 64 else 128

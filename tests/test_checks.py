@@ -227,7 +227,6 @@ CONFIG_BAD = [
     (dict(bwd_config=Bwd(qk_block=3000)), r"bwd_config: BwdConfig.qk_block: expected a power of two >= 16"),
     (dict(bwd_config=Bwd(o_bk=32.0)), r"bwd_config: BwdConfig.o_bk: expected a power of two >= 16, got 32.0"),
     (dict(bwd_config=Bwd(finish_dk=2)), r"bwd_config: BwdConfig.finish_dk: expected 0 or 1, got 2"),
-    (dict(bwd_config=Bwd(h_bwd_transposed=2)), r"bwd_config: BwdConfig.h_bwd_transposed: expected 0 or 1, got 2"),
     (dict(bwd_config=Bwd(f32_precision="tf32")), r"bwd_config: BwdConfig.f32_precision: expected one of"),
 ]
 

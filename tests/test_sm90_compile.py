@@ -52,11 +52,6 @@ CASES += [("train", "bfloat16", 128, 128, 16, dict(o_bk=128, o_warps=8))]
 # float32 with exact products ("ieee", f32_precision's other value, the forward rule's too): FMA
 # loops, which compile for up to a minute per kernel (docs/performance.md, "Compile time").
 CASES += [("train", "float32", 256, 512, 2, dict(f32_precision="ieee"))]
-# The reverse state pass carrying dS^T (BwdConfig.h_bwd_transposed), an option: unsplit at
-# both head sizes and dtypes' largest tiles, and split (its summary launch) at K=V=128.
-CASES += [("train", dtype, K, V, N, dict(h_bwd_transposed=1))
-          for dtype, K, V, N in [("bfloat16", 128, 128, 16), ("bfloat16", 256, 512, 2),
-                                 ("float32", 256, 512, 2), ("bfloat16", 128, 128, 1)]]
 
 
 def _record_launches(what, dtype, K, V, N, bwd=None):
@@ -253,7 +248,7 @@ def test_every_launch_fits_sm90_shared_memory():
   # Every kernel of both paths was traced and compiled.
   assert {"chunk_kkt_fwd_kernel", "chunk_solve_fwd_kernel", "chunk_h_fwd_kernel",
           "chunk_h_chain_kernel", "chunk_o_fwd_kernel", "chunk_dv_local_kernel", "chunk_h_bwd_kernel",
-          "chunk_h_bwd_t_kernel", "chunk_o_bwd_kernel", "chunk_wy_bwd_kernel",
+          "chunk_o_bwd_kernel", "chunk_wy_bwd_kernel",
           "qk_bwd_kernel"} <= kernels, kernels
   assert any("decode" in k or "recurrent" in k for k in kernels), kernels
   over = [r for r in report if r["shared"] > SM90_MAX_SHARED]
