@@ -140,9 +140,9 @@ def chunk_h_bwd_kernel(
   the chunk, K^T the transpose of the key tile that K's own product reads. The row scalings
   sit on the register operands' columns or on the result, so loaded tiles reach the dots as
   loaded. With KT = 128 a chunk takes four products at K <= 128 (carrying dS in 64-row tiles
-  took seven: docs/performance.md, Training). do~, P^T do~, dV', dh, dht, dh0 and the summary are read and
-  written transposed, in their usual layouts. The dots' M is BV: below wgmma's 64 (BV = 32,
-  BwdConfig.h_bv_big_k's default at K > 128) Triton compiles them to mma.sync."""
+  took seven: docs/performance.md, Training). do~, P^T do~, dV', dh, dht, dh0 and the summary
+  are read and written transposed, in their usual layouts. The dots' M is BV: below wgmma's 64
+  (BV = 32, BwdConfig.h_bv_big_k's default at K > 128) Triton compiles them to mma.sync."""
   KT: tl.constexpr = 64 if K <= 64 else 128
   i_nh, i_v, i_p = tl.program_id(0), tl.program_id(1), tl.program_id(2)
   if SUMMARY:
@@ -156,6 +156,7 @@ def chunk_h_bwd_kernel(
   bos_x = bos * M
   n_x = tl.cdiv(len_x, BT)
   c0 = tl.load(chunk_offsets + i_n).to(tl.int64)
+  # This program's piece: chunks [e_lo, e_hi), empty past the sequence's end.
   n_piece = tl.cdiv(n_x, NP)
   e_lo = tl.minimum(i_p * n_piece, n_x)
   e_hi = tl.minimum(e_lo + n_piece, n_x)
@@ -163,12 +164,13 @@ def chunk_h_bwd_kernel(
   o_k, o_v, mask_v, _, _, _, _ = _zero_state(i_v, V, BV)
   o_c = tl.arange(0, KT)
   o_a = tl.arange(0, BT)
-  mask_l = mask_v
+  mask_l = mask_v   # the columns that see the chunks' own terms (q~, do~, P^T do~)
   b_dh1 = tl.zeros([BV, KT], dtype=tl.float32)
   b_dh2 = tl.zeros([BV, KT], dtype=tl.float32)
   if SUMMARY:
+    # Pi's columns from the identity without the chunks' own terms, E's from zero with them.
     local, o_v, mask_v, mask_l, _, _, _, _ = _summary_columns(i_v, o_k, K, V, BV)
-    # Pi's columns start as the identity's (transposed: rows o_v of dS^T).
+    # The identity's columns o_v are rows o_v of dS^T.
     mask_i = o_v < tl.where(local, 0, K)
     b_dh1 = tl.where((o_v[:, None] == o_c[None, :]) & mask_i[:, None], 1., 0.)
     b_dh2 = tl.where((o_v[:, None] == KT + o_c[None, :]) & mask_i[:, None], 1., 0.)
@@ -192,6 +194,7 @@ def chunk_h_bwd_kernel(
     tok = row // M
     mask_q = mask_r & (row % M == M - 1)
     if SUMMARY:
+      # Pi's columns read no q~ (nor do~, P^T do~: mask_l).
       mask_q = mask_q & (o_a < tl.where(local, BT, 0))
     off_v = row[None, :] * (HV * V) + i_hv * V + o_v[:, None]
     b_beta = tl.load(beta + row * HV + i_hv, mask=mask_r, other=0.)
@@ -234,6 +237,7 @@ def chunk_h_bwd_kernel(
                         USE_G, DOT_PRECISION)
 
   if SUMMARY:
+    # [Pi | E] side by side in one row of K + V columns.
     p_s = summary + ((i_n.to(tl.int64) * (NP - 1) + i_p - 1) * HV + i_hv) * (K * (K + V))
     _store_t(p_s, b_dh1, b_dh2, o_c, o_v + tl.where(local, K, 0), mask_v, K, K + V, KT)
   if USE_DH0:
