@@ -73,7 +73,7 @@ class BwdConfig(NamedTuple):
   8 warps: 321 and 688.
   """
   h_bv: int = 64          # K <= 128
-  h_bv_big_k: int = 32    # K > 128 (four 64-row tiles of dS)
+  h_bv_big_k: int = 32    # K > 128 (two [BV, 128] tiles of dS^T)
   h_warps: int = 4
   # chunk_h_bwd's walk split into pieces per sequence (_h_pieces): h_split pieces when set (1:
   # the unsplit walk), otherwise 1 while the walk has at least h_split_min_programs programs

@@ -113,14 +113,6 @@ def _row_tile(p, row, mask_r, i_t, o_k, STRIDE: tl.constexpr, K: tl.constexpr):
 
 
 @triton.jit
-def _row_tile_t(p, row, mask_r, i_t, o_k, STRIDE: tl.constexpr, K: tl.constexpr):
-  """The transpose of _row_tile: [64, BT] (chunk_h_bwd's loads)."""
-  o = i_t * 64 + o_k
-  return tl.load(p + row[None, :] * STRIDE + o[:, None], mask=mask_r[None, :] & (o < K)[:, None],
-                 other=0.)
-
-
-@triton.jit
 def _rows_dot_state(p, row, mask_r, b_h1, b_h2, b_h3, b_h4, o_k, STRIDE: tl.constexpr,
                     K: tl.constexpr, DOT_PRECISION: tl.constexpr):
   """Rows `row` of a row-major [*, STRIDE] array (their first K columns) times the [K, BV] state
