@@ -90,6 +90,8 @@ def parse_args():
   p.add_argument("--sweep-grid", default=None,
                  help="the sweep's grid as 'N=256,1,8;D=1;BV=8,16,32,64;warps=1,2,4,8;stages=1' "
                       "(any subset; the rest keep these defaults)")
+  p.add_argument("--replay-ds", default="4,1,2,8",
+                 help="draft lengths D of the replay rows (N = 256, HV = 16), in this order")
   p.add_argument("--replay-configs", default="",
                  help="extra kernel configs for the replay rows, as BVxWARPSxSTAGES items, "
                       "comma-separated (e.g. 8x1x1,16x1x2); each adds a timed replay row per D")
@@ -910,7 +912,7 @@ def main():
     # Checkpoint + replay against the num_accepted step and fla-core, D = 1, 2, 4, 8.
     if "replay" in parts:
       replay_shapes = [(2, 2, 1, 3), (2, 2, 3, 3)] if b.smoke else [
-          (256, 16, D, 256) for D in (4, 1, 2, 8)]
+          (256, 16, int(D), 256) for D in args.replay_ds.split(",")]
       cfgs = [""] + list(filter(None, args.replay_configs.split(",")))
       rrows = [common.run_row(results, "replay", dict(N=N, HV=HV, D=D, S=S, cfg=c),
                               b.replay_row, budget)
