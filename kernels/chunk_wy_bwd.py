@@ -104,10 +104,29 @@ def chunk_wy_bwd_kernel(
     b_gam = tl.where(mask_r, 1., 0.)
   b_bg = b_beta * b_gam
   p_ai = Ai + row0 * (HV * BT) + i_hv * BT
-  b_ait = tl.trans(tl.load(p_ai + o_a[:, None] * (HV * BT) + o_a[None, :], mask=mask_r[:, None],
-                           other=0.))
+  p_ai = p_ai + o_a[:, None] * (HV * BT) + o_a[None, :]
+  b_ait = tl.trans(tl.load(p_ai, mask=mask_r[:, None], other=0.))
 
-  b_dT = tl.zeros([BT, BT], dtype=tl.float32)
+  # The products take V^T and K^T unscaled: dT = (dU V^T) diag(beta) + (dW K^T) diag(beta Gamma),
+  # and the reductions come from the same products, <dVb_a, v_a> = sum_c Ai[c, a] (dU V^T)[c, a]
+  # and <dKb_a, k_a> = sum_c Ai[c, a] (dW K^T)[c, a], in place of loops that formed dVb and dKb
+  # a second time beside tiles loaded again for a register reduction (docs/algorithm.md §4.2).
+  b_pv = tl.zeros([BT, BT], dtype=tl.float32)
+  p_vv = row0 * (HV * V) + i_hv * V
+  for i_v in range(tl.cdiv(V, BV)):
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_rv = mask_r[:, None] & (o_v < V)[None, :]
+    b_v = tl.load(v + p_vv + o_a[:, None] * (HV * V) + o_v[None, :], mask=m_rv, other=0.)
+    b_du = tl.load(du + p_vv + o_a[:, None] * (HV * V) + o_v[None, :], mask=m_rv, other=0.)
+    b_pv += tl.dot(b_du.to(dt), tl.trans(b_v.to(dt)), input_precision=DOT_PRECISION)
+    b_dvb = tl.dot(b_ait, b_du.to(dt), input_precision=DOT_PRECISION)
+    tl.store(dv + p_vv + o_a[:, None] * (HV * V) + o_v[None, :],
+             (b_dvb * b_beta[:, None]).to(dv.dtype.element_ty), mask=m_rv)
+  # Ai read again rather than kept in registers through the loops (fewer spills at sm_90).
+  b_db = tl.sum(tl.load(p_ai, mask=mask_r[:, None], other=0.).to(tl.float32) * b_pv, 0)
+  b_dT = b_pv * b_beta[None, :]
+
+  b_qk = tl.zeros([BT, BT], dtype=tl.float32)
   b_kk = tl.zeros([BT, BT], dtype=tl.float32)
   o_kr = row0 * (H * K) + i_h * K   # the chunk's first key row
   p_k = k + o_kr
@@ -122,31 +141,10 @@ def chunk_wy_bwd_kernel(
     # K K^T, the one product of this loop that reaches only dbeta and dG (docs/algorithm.md §4.2).
     b_kt = tl.load(p_k + o_a[None, :] * (H * K) + o_k[:, None], mask=m_kr, other=0.)
     b_dw = tl.load(dw + p_kv + o_a[:, None] * (HV * K) + o_k[None, :], mask=m_rk, other=0.)
-    b_kbt = (b_kt.to(tl.float32) * b_bg[None, :]).to(dt)
-    b_dT += tl.dot(b_dw.to(dt), b_kbt, input_precision=DOT_PRECISION)
+    b_qk += tl.dot(b_dw.to(dt), b_kt, input_precision=DOT_PRECISION)
     b_kk += tl.dot(b_k, b_kt, input_precision=DOT_PRECISION)
-
-  b_db = tl.zeros([BT], dtype=tl.float32)
-  p_vv = row0 * (HV * V) + i_hv * V
-  for i_v in range(tl.cdiv(V, BV)):
-    o_v = i_v * BV + tl.arange(0, BV)
-    m_rv = mask_r[:, None] & (o_v < V)[None, :]
-    b_v = tl.load(v + p_vv + o_a[:, None] * (HV * V) + o_v[None, :], mask=m_rv, other=0.)
-    b_du = tl.load(du + p_vv + o_a[:, None] * (HV * V) + o_v[None, :], mask=m_rv, other=0.)
-    b_vbt = tl.trans((b_v.to(tl.float32) * b_beta[:, None]).to(dt))
-    b_dT += tl.dot(b_du.to(dt), b_vbt, input_precision=DOT_PRECISION)
-    b_dvb = tl.dot(b_ait, b_du.to(dt), input_precision=DOT_PRECISION)
-    tl.store(dv + p_vv + o_a[:, None] * (HV * V) + o_v[None, :],
-             (b_dvb * b_beta[:, None]).to(dv.dtype.element_ty), mask=m_rv)
-  # <dVb, v> in a loop of its own: a tile that feeds a tensor-core dot and a register reduction
-  # in the same pipelined loop comes out wrong on the H200 (docs/algorithm.md §4.2).
-  for i_v in range(tl.cdiv(V, BV)):
-    o_v = i_v * BV + tl.arange(0, BV)
-    m_rv = mask_r[:, None] & (o_v < V)[None, :]
-    b_du = tl.load(du + p_vv + o_a[:, None] * (HV * V) + o_v[None, :], mask=m_rv, other=0.)
-    b_dvb = tl.dot(b_ait, b_du.to(dt), input_precision=DOT_PRECISION)
-    b_v = tl.load(v + p_vv + o_a[:, None] * (HV * V) + o_v[None, :], mask=m_rv, other=0.)
-    b_db += tl.sum(b_dvb * b_v.to(tl.float32), 1)
+  b_dkk = tl.sum(tl.load(p_ai, mask=mask_r[:, None], other=0.).to(tl.float32) * b_qk, 0)
+  b_dT += b_qk * b_bg[None, :]
 
   # dA = -T^T dT T^T on the strictly lower valid part.
   b_dA = -tl.dot(tl.dot(b_ait, b_dT.to(dt), input_precision=DOT_PRECISION).to(dt), b_ait,
@@ -162,6 +160,18 @@ def chunk_wy_bwd_kernel(
   if USE_G:
     b_dGa = b_dAm * b_kk       # dA . A: dG_a += its row sum - its column sum
     b_dgr = tl.sum(b_dGa, 1) - tl.sum(b_dGa, 0)
+  # dbeta and dG are complete here: stored before the dk loops, which need none of their
+  # vectors (column sums: 16 registers each).
+  b_db += b_gam * b_dkk
+
+  tl.store(dbeta + row * HV + i_hv, b_db, mask=mask_r)
+  if USE_G:
+    b_dgr += b_bg * b_dkk
+    for i_k in tl.static_range(NK):
+      b_dgr += tl.load(dg_in + (row * HV + i_hv) * NK + i_k, mask=mask_r, other=0.)
+    b_dgr = tl.where(mask_r, b_dgr, 0.)
+    tl.store(dg + row * HV + i_hv, tl.cumsum(b_dgr, 0, reverse=True), mask=mask_r)
+
   # (dA . beta Dec)^T K goes through memory: the transpose of a dot result fed to another dot
   # is miscompiled on Hopper by Triton 3.4 to 3.7.0 (FLA #640). The barrier makes this
   # program's stores visible to all its threads before they read the transpose.
@@ -196,24 +206,6 @@ def chunk_wy_bwd_kernel(
       b_dk = b_r[:, None] * (b_dk - b_y * b_yd[:, None])
     tl.store(dk + p_kv + o_a[:, None] * (HV * K) + o_k[None, :], b_dk.to(dk.dtype.element_ty),
              mask=m_rk)
-  # <dKb, k> in a loop of its own, as <dVb, v> above.
-  b_dkk = tl.zeros([BT], dtype=tl.float32)
-  for i_k in range(tl.cdiv(K, BK)):
-    o_k = i_k * BK + tl.arange(0, BK)
-    m_rk = mask_r[:, None] & (o_k < K)[None, :]
-    b_dw = tl.load(dw + p_kv + o_a[:, None] * (HV * K) + o_k[None, :], mask=m_rk, other=0.)
-    b_dkb = tl.dot(b_ait, b_dw.to(dt), input_precision=DOT_PRECISION)
-    b_k = tl.load(p_k + o_a[:, None] * (H * K) + o_k[None, :], mask=m_rk, other=0.)
-    b_dkk += tl.sum(b_dkb * b_k.to(tl.float32), 1)
-  b_db += b_gam * b_dkk
-
-  tl.store(dbeta + row * HV + i_hv, b_db, mask=mask_r)
-  if USE_G:
-    b_dgr += b_bg * b_dkk
-    for i_k in tl.static_range(NK):
-      b_dgr += tl.load(dg_in + (row * HV + i_hv) * NK + i_k, mask=mask_r, other=0.)
-    b_dgr = tl.where(mask_r, b_dgr, 0.)
-    tl.store(dg + row * HV + i_hv, tl.cumsum(b_dgr, 0, reverse=True), mask=mask_r)
 
 
 @triton.jit
