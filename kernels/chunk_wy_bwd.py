@@ -25,8 +25,9 @@ With FINISH_DK (HV == H: no value heads to sum) the program owns whole rows of t
 gradient, so it finishes dk itself instead of leaving float32 rows for qk_bwd: with USE_L2NORM
 the norm's backward dx = r (dy - y <y, dy>), y = x r (x the raw key row, r its row factor from
 the forward), then the cast to the gradient's dtype. <y, dy> needs the whole row before any of
-it is stored, so the dk loop runs twice, the first time for that sum only: three more products
-per K block instead of a float32 round trip of every row through memory.
+it is stored; it comes without forming dy, from sums the products already give (dkk, and the
+row and column sums of (dA . beta Dec) . K K^T) and one loop of loads for <y, dk_in>, with k
+(y rounded to the input dtype) in place of y in the other terms.
 
 With ZERO_TAIL (packed inputs) program i_d also writes zeros over the i_d-th block of BT rows at
 or past cu_seqlens[N] * M in dv, dbeta, dg and (with FINISH_DK) dk: those rows belong to no
@@ -157,8 +158,9 @@ def chunk_wy_bwd_kernel(
     b_dA = tl.where(m_lo, b_dA, 0.)
   b_db += tl.sum(b_dA * b_kk, 1)
   b_dAm = b_dA * b_beta[:, None]
-  if USE_G:
+  if USE_G or (FINISH_DK and USE_L2NORM):
     b_dGa = b_dAm * b_kk       # dA . A: dG_a += its row sum - its column sum
+  if USE_G:
     b_dgr = tl.sum(b_dGa, 1) - tl.sum(b_dGa, 0)
   # dbeta and dG are complete here: stored before the dk loops, which need none of their
   # vectors (column sums: 16 registers each).
@@ -183,18 +185,21 @@ def chunk_wy_bwd_kernel(
                    other=0.)
 
   if FINISH_DK and USE_L2NORM:
-    # <y, dy> per row, y from the raw rows: a tile of its own, not the key tile the products
-    # take (a tile feeding a dot and a reduction in one loop is miscompiled, see above).
+    # <y, dy> per row without forming dy = dk_in + diag(beta Gamma) T^T dW + (dA . beta Dec) K
+    # + (dA . beta Dec)^T K: with y taken as k (y rounded to the input dtype) in all but the
+    # first term, <k_a, (T^T dW)_a> = dkk_a, and the other two are the row and the column sums
+    # of (dA . beta Dec) . K K^T (K K^T symmetric). Only <y, dk_in> needs a loop, of loads and
+    # no products. The rounding of y to k moves <y, dy> by about the input dtype's epsilon
+    # relative, as the rounding of dA . beta Dec in the products already did.
     b_r = tl.load(rk + row * H + i_h, mask=mask_r, other=0.)
-    b_yd = tl.zeros([BT], dtype=tl.float32)
+    b_yd = b_bg * b_dkk + tl.sum(b_dGa, 1) + tl.sum(b_dGa, 0)
     for i_k in range(tl.cdiv(K, BK)):
       o_k = i_k * BK + tl.arange(0, BK)
       m_rk = mask_r[:, None] & (o_k < K)[None, :]
-      b_dk = _dk_block(p_k, dw, dk_in, p_kv, b_ait, b_dAm, b_dAmt, b_bg, o_a, o_k, m_rk, H, HV,
-                       K, DOT_PRECISION)
       b_y = tl.load(x + o_kr + o_a[:, None] * (H * K) + o_k[None, :], mask=m_rk,
                     other=0.).to(tl.float32) * b_r[:, None]
-      b_yd += tl.sum(b_dk * b_y, 1)
+      b_dki = tl.load(dk_in + p_kv + o_a[:, None] * (HV * K) + o_k[None, :], mask=m_rk, other=0.)
+      b_yd += tl.sum(b_dki * b_y, 1)
   for i_k in range(tl.cdiv(K, BK)):
     o_k = i_k * BK + tl.arange(0, BK)
     m_rk = mask_r[:, None] & (o_k < K)[None, :]
