@@ -287,7 +287,7 @@ def _backward(q, k, v, g, beta, initial_state, cu_seqlens, res, do, dht, static)
   dq_v, dk_o, dw, dg_k = _launch.call(
       "chunk_o_bwd.chunk_o_bwd_kernel", qn, kn, v_new, h_x, do_t, dh, dvp,
       gx if use_g else ph(), cu, desc_x, float(static.scale),
-      grid=(desc_x.shape[0], HV, nk),
+      grid=(desc_x.shape[0] * nk, HV),   # the K block fastest (shared tiles in L2)
       out_shape=[jax.ShapeDtypeStruct((TT, HV, K), f32), jax.ShapeDtypeStruct((R, HV, K), f32),
                  jax.ShapeDtypeStruct((R, HV, K), dtype),
                  jax.ShapeDtypeStruct((R, HV, nk) if use_g else (1,), f32)],

@@ -23,12 +23,14 @@ transpose of dP; and a loaded tile that feeds both a dot and a register reductio
 pipelined loop (docs/algorithm.md §4.2), so <S, dS> is the trace of the product dS S^T
 accumulated beside the others. Transposed operands are transposes of loaded tiles.
 
-Grid: (expanded-chunk descriptors, HV, NK = ceil(K / BK)). Program (i_d, i_hv, i_k) owns BK
-columns of K of one chunk and value head and loops over V in steps of BV; each forms dP itself
-(one program per chunk and head walking the K blocks lost on the H200: docs/performance.md,
-Training). dG goes out per K block and is summed by chunk_wy_bwd. Rows past the sequence end
-are neither read nor written; dq~ goes out on the token stream (the last copies only: every
-other row of dq~ is zero).
+Grid: (NK * expanded-chunk descriptors, HV), NK = ceil(K / BK), the K block fastest: program
+(i_d * NK + i_k, i_hv) owns BK columns of K of one chunk and value head and loops over V in
+steps of BV; each forms dP itself (one program per chunk and head walking the K blocks lost on
+the H200: docs/performance.md, Training). The NK programs of one chunk and head are adjacent, so
+that the later ones may find do~, V' and dV' (read by each) in L2 instead of HBM. dG goes out
+per K block and is summed by chunk_wy_bwd. Rows past the sequence end are neither read nor
+written; dq~ goes out on the token stream (the last copies only: every other row of dq~ is
+zero).
 
 Parameter order: inputs, outputs, constexprs.
 """
@@ -66,12 +68,13 @@ def chunk_o_bwd_kernel(
     BT: tl.constexpr,
     BK: tl.constexpr,
     BV: tl.constexpr,
-    NK: tl.constexpr,  # ceil(K / BK): the grid's third axis
+    NK: tl.constexpr,  # ceil(K / BK): K blocks per chunk and head, the grid's fastest
     # flags
     USE_G: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-  i_d, i_hv = tl.program_id(0), tl.program_id(1)
+  i_d, i_k = tl.program_id(0) // NK, tl.program_id(0) % NK
+  i_hv = tl.program_id(1)
   i_h = i_hv // (HV // H)
   i_n, row0, n = chunk_span(chunk_desc, cu_seqlens, i_d, M, BT)
   if i_n < 0:
@@ -86,7 +89,6 @@ def chunk_o_bwd_kernel(
   tok = row // M
   mask_q = mask_r & (row % M == M - 1)
   tok_v = tok * (HV * V) + i_hv * V
-  i_k = tl.program_id(2)
   o_k = i_k * BK + tl.arange(0, BK)
   mask_k = o_k < K
   b_dqi = tl.zeros([BT, BK], dtype=tl.float32)
