@@ -18,10 +18,12 @@ every one that holds 2^(-G_b) is linear in k_b, so
            sum_b <k_b, dk_b(state part)> + 2^g_C <S, dS>   (g_C sits in both state terms).
 
 Two patterns that Triton 3.4 to 3.7.0 miscompiles on Hopper are avoided: a tl.trans of a dot
-result fed to another dot (FLA #640), so dP^T is its own product (V' do~^T) rather than the
-transpose of dP; and a loaded tile that feeds both a dot and a register reduction in one
-pipelined loop (docs/algorithm.md §4.2), so <S, dS> is the trace of the product dS S^T
-accumulated beside the others. Transposed operands are transposes of loaded tiles.
+result fed to another dot (FLA #640), so dP^T goes through memory (the decayed dP, rounded to
+the input dtype as the dq~ product takes it, is stored to a scratch tile of the program's own
+and read back transposed, as chunk_wy_bwd does for dA) rather than through tl.trans; and a
+loaded tile that feeds both a dot and a register reduction in one pipelined loop
+(docs/algorithm.md §4.2), so <S, dS> is the trace of the product dS S^T accumulated beside the
+others. Transposed operands are transposes of loaded tiles.
 
 Grid: (NK * expanded-chunk descriptors, HV), NK = ceil(K / BK), the K block fastest: program
 (i_d * NK + i_k, i_hv) owns BK columns of K of one chunk and value head and loops over V in
@@ -59,6 +61,8 @@ def chunk_o_bwd_kernel(
     dk,          # [T*M, HV, K] float32 (output and state-update parts)
     dw,          # [T*M, HV, K] input dtype (chunk_wy_bwd rounds it so for every product)
     dg,          # [T*M, HV, NK] float32 dG per K block; never written without USE_G
+    dp_scratch,  # [T*M, HV, NK, BT] the decayed dP in the input dtype (read only as a dot
+                 # operand), one tile per program, written and read back transposed
     # sizes
     H: tl.constexpr,
     HV: tl.constexpr,
@@ -93,7 +97,6 @@ def chunk_o_bwd_kernel(
   mask_k = o_k < K
   b_dqi = tl.zeros([BT, BK], dtype=tl.float32)
   b_dp = tl.zeros([BT, BT], dtype=tl.float32)
-  b_dpt = tl.zeros([BT, BT], dtype=tl.float32)
   b_dks = tl.zeros([BT, BK], dtype=tl.float32)
   b_dw = tl.zeros([BT, BK], dtype=tl.float32)
   b_sds = tl.zeros([BK, BK], dtype=tl.float32)
@@ -111,13 +114,22 @@ def chunk_o_bwd_kernel(
     b_ht = tl.trans(b_h)
     b_dqi += tl.dot(b_do, b_ht, input_precision=DOT_PRECISION)
     b_dp += tl.dot(b_do, tl.trans(b_vn), input_precision=DOT_PRECISION)
-    b_dpt += tl.dot(b_vn, tl.trans(b_do), input_precision=DOT_PRECISION)
     b_dks += tl.dot(b_vn, tl.trans(b_dh), input_precision=DOT_PRECISION)
     b_dw += tl.dot(b_dv, b_ht, input_precision=DOT_PRECISION)
     if USE_G:
       b_sds += tl.dot(b_dh, b_ht, input_precision=DOT_PRECISION)
-  b_dp, b_dpt, b_gam, b_kdec, b_g_last = _decayed_dp(
-      b_dp, b_dpt, g_cum, row0, n, i_hv, HV, BT, USE_G)
+  b_dp, b_gam, b_kdec, b_g_last = _decayed_dp(b_dp, g_cum, row0, n, i_hv, HV, BT, USE_G)
+  # dP^T through memory: the transpose of a dot result fed to another dot is miscompiled on
+  # Hopper by Triton 3.4 to 3.7.0 (FLA #640). The barrier makes this program's stores visible
+  # to all its threads before they read the transpose. Rows past n are not stored; the columns
+  # past n are zeros, and the transposed load reads only stored rows.
+  b_dp = b_dp.to(dt)
+  p_s = dp_scratch + ((row0 * HV + i_hv) * NK + i_k) * BT
+  tl.store(p_s + o_a[:, None] * (HV * NK * BT) + o_a[None, :],
+           b_dp.to(dp_scratch.dtype.element_ty), mask=mask_r[:, None])
+  tl.debug_barrier()
+  b_dpt = tl.load(p_s + o_a[None, :] * (HV * NK * BT) + o_a[:, None], mask=mask_r[None, :],
+                  other=0.).to(dt)
   o_kk = tl.arange(0, BK)
   b_sds = tl.sum(tl.sum(tl.where(o_kk[:, None] == o_kk[None, :], b_sds, 0.), 1), 0)
   _store_k_block(q, k, dq, dk, dw, dg, b_dp, b_dpt, b_dqi, b_dks, b_dw, b_sds, b_gam, b_kdec,
@@ -126,29 +138,26 @@ def chunk_o_bwd_kernel(
 
 
 @triton.jit
-def _decayed_dp(b_dp, b_dpt, g_cum, row0, n, i_hv, HV: tl.constexpr, BT: tl.constexpr,
+def _decayed_dp(b_dp, g_cum, row0, n, i_hv, HV: tl.constexpr, BT: tl.constexpr,
                 USE_G: tl.constexpr):
-  """dP and dP^T with the decay and the causal masks applied, the query row factors
-  Gamma = 2^G, the key row factors 2^(g_C - G) and g_C (0. without USE_G)."""
+  """dP with the decay and the causal masks applied, the query row factors Gamma = 2^G, the
+  key row factors 2^(g_C - G) and g_C (0. without USE_G)."""
   o_a = tl.arange(0, BT)
   mask_r = o_a < n
   m_inc = (o_a[:, None] >= o_a[None, :]) & mask_r[:, None] & mask_r[None, :]
-  m_inct = (o_a[None, :] >= o_a[:, None]) & mask_r[:, None] & mask_r[None, :]
   if USE_G:
     b_g = tl.load(g_cum + (row0 + o_a) * HV + i_hv, mask=mask_r, other=0.)
     b_g_last = tl.load(g_cum + (row0 + n - 1) * HV + i_hv)
     # Selects: off the causal side the exponent is positive and may overflow to inf.
     b_dp = tl.where(m_inc, b_dp * tl.exp2(b_g[:, None] - b_g[None, :]), 0.)
-    b_dpt = tl.where(m_inct, b_dpt * tl.exp2(b_g[None, :] - b_g[:, None]), 0.)
     b_gam = tl.where(mask_r, tl.exp2(b_g), 0.)
     b_kdec = tl.where(mask_r, tl.exp2(b_g_last - b_g), 0.)
   else:
     b_g_last = 0.
     b_dp = tl.where(m_inc, b_dp, 0.)
-    b_dpt = tl.where(m_inct, b_dpt, 0.)
     b_gam = tl.where(mask_r, 1., 0.)
     b_kdec = b_gam
-  return b_dp, b_dpt, b_gam, b_kdec, b_g_last
+  return b_dp, b_gam, b_kdec, b_g_last
 
 
 @triton.jit
