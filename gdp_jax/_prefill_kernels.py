@@ -417,24 +417,31 @@ def _scan(k, v, beta, Ai, gx, cu, offsets, n_rows, *, M, h0, state_indices, fina
 
 
 def _output_launch(q, k, v_new, h, g, state_indices, S, cu, desc, *, M, scale, out_dtype, rk,
-                   config: FwdConfig, h_offsets=None, store_qn=False) -> KernelCall:
+                   config: FwdConfig, h_offsets=None, store_qn=False,
+                   backend=None) -> KernelCall:
   T, H, K = q.shape
   _, HV, V = v_new.shape
   store_qn = store_qn and rk is not None
   bk, bv = _block(K, config.o_bk), _block(V, config.o_bv)
+  stages = config.o_stages
+  precision = _dot_precision(q.dtype, config.f32_precision)
+  if backend == "xla_triton" and K > 128 and precision == "tf32x3":
+    # XLA's Triton asks 262144 B of shared memory for this kernel at 2 stages (float32 K = 256,
+    # H200, 2026-12-03), over the 232448 an sm_90 block may have; pip's triton 3.6 fits it in
+    # 229376. One stage holds one K block's operand tiles instead of two.
+    stages = 1
   return KernelCall(
       "chunk_o.chunk_o_fwd_kernel",
       (q, k, v_new, h, _opt(h_offsets, jnp.int32), _opt(g), _opt(rk),
        _opt(state_indices, jnp.int32), cu, desc, S, float(scale)),
       (jax.ShapeDtypeStruct((T, HV, V), out_dtype),
        jax.ShapeDtypeStruct((T, H, K), q.dtype) if store_qn else _f32(1)),
-      grid=(desc.shape[0], -(-V // bv), HV), num_warps=config.o_warps,
-      num_stages=config.o_stages,
+      grid=(desc.shape[0], -(-V // bv), HV), num_warps=config.o_warps, num_stages=stages,
       constexprs=dict(H=H, HV=HV, K=K, V=V, M=M, BT=BT, BK=bk, BV=bv,
                       H_PER_CHUNK=M if h_offsets is not None else 1, USE_G=g is not None,
                       HAS_STATE_INDICES=state_indices is not None, USE_RNORM=rk is not None,
                       STORE_QN=store_qn,
-                      DOT_PRECISION=_dot_precision(q.dtype, config.f32_precision)))
+                      DOT_PRECISION=precision))
 
 
 def _output(q, k, v_new, h, g, state_indices, S, cu, desc, *, M, scale, out_dtype, backend,
@@ -448,7 +455,7 @@ def _output(q, k, v_new, h, g, state_indices, S, cu, desc, *, M, scale, out_dtyp
   c of sequence n reads row h_offsets[n] + M c."""
   o, _ = _output_launch(q, k, v_new, h, g, state_indices, S, cu, desc, M=M, scale=scale,
                         out_dtype=out_dtype, rk=rk, config=config,
-                        h_offsets=h_offsets).run(backend)
+                        h_offsets=h_offsets, backend=backend).run(backend)
   return o
 
 
@@ -570,7 +577,7 @@ def _chunk_gated_delta_product_fwd(
   S = state.shape[0] if state is not None else N
   o, qn = _output_launch(q, k, v_new, h, g, state_indices, S, cu, desc_t, M=M, scale=scale,
                          out_dtype=out_dtype, rk=rk, config=config, h_offsets=h_offsets,
-                         store_qn=return_residuals).run(backend)
+                         store_qn=return_residuals, backend=backend).run(backend)
 
   if cu_seqlens is not None:
     # Tokens past cu_seqlens[N] belong to no sequence and no program writes them (§5.4); a

@@ -98,6 +98,17 @@ def workloads():
           q, k, v, g, beta, num_householder=2, initial_state=h0, output_final_state=True,
           use_qk_l2norm_in_kernel=True, backend=backend))
 
+  # float32 at K = 256: the output stage's tf32x3 operand tiles at 2 stages overflow the shared
+  # memory of XLA's Triton build (gdp_jax/_prefill_kernels.py, _output_launch).
+  rng = np.random.default_rng(7)
+  B, T, M, H, HV, K, V = 1, 70, 2, 1, 1, 256, 512
+  out["prefill_k256_f32"] = (
+      (f32(rng.standard_normal((B, T, H, K))), f32(rng.standard_normal((B, T * M, H, K))),
+       f32(rng.standard_normal((B, T * M, HV, V))), f32(-rng.exponential(0.1, (B, T, HV))),
+       f32(rng.uniform(0, 1, (B, T * M, HV)))),
+      lambda backend, q, k, v, g, beta: gdp_jax.chunk_gated_delta_product(
+          q, k, v, g, beta, num_householder=2, use_qk_l2norm_in_kernel=True, backend=backend))
+
   rng = np.random.default_rng(6)
   B, T, M, H, HV, K, V = 2, 100, 2, 2, 4, 128, 128
 
@@ -290,6 +301,17 @@ def test_every_launch_lowers_to_xla_triton(lowering_report, name):
   # An aliased output is an output_operand_alias of its call (the cache updated in place).
   assert ({(l["name"], l["aliases"]) for l in r["launches"]}
           == {(c["name"], c["aliases"]) for c in r["calls"]})
+
+
+def test_output_stage_takes_one_stage_at_float32_k256(lowering_report):
+  """At float32 K = 256 (tf32x3 dots) the output stage reaches XLA's Triton with 1 pipeline
+  stage, where the "triton" backend launches it with 2: XLA's build asked 262144 B of shared
+  memory for it at 2 (H200, sm_90 allows 232448). Every other launch is unchanged."""
+  r = lowering_report["prefill_k256_f32"]
+  launched = {(l["name"], l["num_stages"]) for l in r["launches"]}
+  called = {(c["name"], c["num_stages"]) for c in r["calls"] if c["target"] == TARGET}
+  assert ("chunk_o_fwd_kernel", 2) in launched and ("chunk_o_fwd_kernel", 1) in called
+  assert launched - {("chunk_o_fwd_kernel", 2)} == called - {("chunk_o_fwd_kernel", 1)}
 
 
 def test_jaxlibs_triton_parses_every_ttir(lowering_report):
