@@ -36,12 +36,20 @@ def pytest_addoption(parser):
 def pytest_configure(config):
   if config.getoption("--launch") != "xla_triton":
     return
-  from gdp_jax import _launch
-  call = _launch.call
+  from gdp_jax import _backends, _launch
+  call, resolve = _launch.call, _backends.resolve
 
   def call_through_xla(*args, backend, **kwargs):
     return call(*args, backend="xla_triton" if backend == "triton" else backend, **kwargs)
 
+  # At the entry points too, so that launchers which choose by backend (the output stage's
+  # pipeline depth, gdp_jax/_prefill_kernels.py) see "xla_triton"; the launch-level switch
+  # catches the tests that call internal launchers with backend "triton".
+  def resolve_to_xla(backend):
+    resolved = resolve(backend)
+    return "xla_triton" if resolved == "triton" else resolved
+
+  _backends.resolve = resolve_to_xla
   _launch.call = call_through_xla
 
 
