@@ -41,6 +41,8 @@ ours_ungated): a layout mistake shows as O(1), bf16 agreement as about 1e-2.
 Usage (GPU, repository root on PYTHONPATH; `--out PATH` writes the results elsewhere):
   python3 benchmarks/train.py [--rows 0,3] [--only ours,jla,fla,fla_gated,reference] [--out F]
   python3 benchmarks/train.py --smoke     # CPU: tiny shapes, backend "reference" only
+  python3 benchmarks/train.py --only ours,jla --bwd-config o_bk=128,o_warps=8   # ours under
+      # other kernel configs (--config: FwdConfig fields, --bwd-config: BwdConfig fields)
 """
 from __future__ import annotations
 
@@ -161,20 +163,28 @@ def _fingerprint(loss, names, grads, norm, take) -> dict:
   return fp
 
 
-def jax_op(impl: str, s: dict, backend: str):
+def jax_op(impl: str, s: dict, backend: str, configs: dict | None = None):
   """(o = op(q, k, v, g, beta, packing), names of the differentiated inputs) for a JAX impl;
-  op.desc names the function it calls."""
+  op.desc names the function it calls. configs: {"config": FwdConfig overrides, "bwd_config":
+  BwdConfig overrides} for ours (and ours_ungated)."""
   M = s["M"]
   if impl in ("ours", "reference", "ours_ungated"):
     import gdp_jax
     b = "reference" if impl == "reference" else backend
 
+    extra = {}
+    if impl != "reference":
+      for name, cls in (("config", gdp_jax.FwdConfig), ("bwd_config", gdp_jax.BwdConfig)):
+        if configs and configs.get(name):
+          extra[name] = cls(**configs[name])
+
     def op(q, k, v, g, beta, cu_seqlens=None, segment_ids=None):
       return gdp_jax.chunk_gated_delta_product(
           q, k, v, g, beta, num_householder=M, use_qk_l2norm_in_kernel=True,
-          cu_seqlens=cu_seqlens, backend=b)[0]
+          cu_seqlens=cu_seqlens, backend=b, **extra)[0]
 
-    op.desc = f"gdp_jax.chunk_gated_delta_product(backend={b!r})"
+    op.desc = "gdp_jax.chunk_gated_delta_product(" + ", ".join(
+        [f"backend={b!r}"] + [f"{n}={c}" for n, c in extra.items()]) + ")"
   elif impl == "jla":
     jla_fn = common.jla_gated_delta_product(kernels=backend != "reference")
 
@@ -199,7 +209,7 @@ def jax_worker(task: dict, out: str) -> None:
          "device": str(jax.devices()[0].device_kind),
          "versions": {"jax": jax.__version__}}
   try:
-    op, names = jax_op(impl, s, backend)
+    op, names = jax_op(impl, s, backend, task.get("configs"))
     rec["op"] = op.desc
     x = host_inputs(s, common.row_seed(s))
     # Only what this implementation reads goes to the device (jla packs by segment ids, the
@@ -371,12 +381,25 @@ def parse_args(argv=None):
   p.add_argument("--budget-s", type=float, default=540.0,
                  help="start no worker after this many seconds (a started one is capped too)")
   p.add_argument("--worker-timeout-s", type=float, default=300.0)
+  p.add_argument("--config", default="",
+                 help="FwdConfig overrides for ours, e.g. 'solve_precision=tf32' (default: none)")
+  p.add_argument("--bwd-config", default="",
+                 help="BwdConfig overrides for ours, e.g. 'o_bk=128,o_warps=8' (default: none)")
   p.add_argument("--cache-dir", default=None,
                  help="Triton cache shared with an earlier run, fla-core's autotuning results "
                       "kept in it (first-call times then count no compile or autotuning)")
   p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
   p.add_argument("--worker-out", default=None, help=argparse.SUPPRESS)
   return p.parse_args(argv)
+
+
+def _parse_overrides(text: str) -> dict:
+  """"o_bk=128,o_warps=8" -> {"o_bk": 128, "o_warps": 8}: ints where the value is digits."""
+  out = {}
+  for kv in filter(None, text.split(",")):
+    name, _, value = kv.partition("=")
+    out[name] = int(value) if value.lstrip("-").isdigit() else value
+  return out
 
 
 def _dist_versions() -> dict:
@@ -517,6 +540,8 @@ def main(argv=None):
   ref_rows = set(numbers) if args.ref_rows == "all" else {
       int(i) for i in args.ref_rows.split(",") if i}
   backend = "reference" if args.smoke else "triton"
+  configs = dict(config=_parse_overrides(args.config),
+                 bwd_config=_parse_overrides(args.bwd_config))
   triton_cache = args.cache_dir or tempfile.mkdtemp(prefix="triton_cache_train_", dir="/tmp")
   if args.cache_dir:
     os.makedirs(args.cache_dir, exist_ok=True)
@@ -527,7 +552,7 @@ def main(argv=None):
       pythonpath=os.environ.get("PYTHONPATH"), smoke=args.smoke, backend_ours=backend,
       floor_Bps=HBM_BPS, impls=impls, rows=numbers,
       method="one subprocess per (row, JAX implementation), one per row for fla-core; "
-             "see the docstring of benchmarks/train.py")
+             "see the docstring of benchmarks/train.py", configs=configs)
   run.save()
   budget = common.Budget(args.budget_s)
   rows = []
@@ -554,7 +579,8 @@ def main(argv=None):
           lines = [{"impl": n, "skipped": f"budget ({budget.seconds:.0f} s) spent"}
                    for n in names]
         else:
-          task.update(shape=s, backend=backend, smoke=args.smoke, triton_cache=triton_cache)
+          task.update(shape=s, backend=backend, smoke=args.smoke, triton_cache=triton_cache,
+                      configs=configs)
           lines = run.spawn(task, budget)
         rows += merge(base, names, lines, s, run.data["meta"])
         finish_row(rows, i)
