@@ -33,8 +33,14 @@ def pytest_addoption(parser):
                    help="launch path of backend 'triton' kernels in the GPU tests")
 
 
+# The launch path this process runs backend "triton" kernels through ("jax_triton" or
+# "xla_triton"), for the tests whose expectation depends on the compiler (tests/test_torch_launch.py).
+LAUNCH = {"path": "jax_triton"}
+
+
 def pytest_configure(config):
-  if config.getoption("--launch") != "xla_triton":
+  LAUNCH["path"] = config.getoption("--launch")
+  if LAUNCH["path"] != "xla_triton":
     return
   from gdp_jax import _backends, _launch
   call, resolve = _launch.call, _backends.resolve

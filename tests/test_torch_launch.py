@@ -7,12 +7,19 @@ calling convention wherever torch is installed. The torch side is what a torch l
 in-place buffer (the cache) twice, as the input and as the output pointer, and a placeholder
 tensor plus a constexpr flag for every optional input, exactly the calling convention that
 jax-triton 0.3.1 imposes on the JAX side.
+
+Under `--launch=xla_triton` the JAX side's kernel is compiled by the Triton that XLA bundles, not
+by pip's triton that torch's launcher uses: another compiler, so the bits may differ
+(docs/performance.md, launch cost). There the check is the same calling convention with results
+equal to float32 rounding instead.
 """
+import os
+
 import numpy as np
 import pytest
 
 import gdp_jax
-from conftest import KERNEL_BACKEND
+from conftest import KERNEL_BACKEND, LAUNCH
 from gdp_jax import _configs
 from helpers import bits_equal
 
@@ -27,7 +34,21 @@ BACKEND = pytest.mark.parametrize(
 def _torch(backend):
   if (backend == "triton") != GPU:
     pytest.skip(f"backend {backend!r} does not run on this machine ({KERNEL_BACKEND} does)")
-  return pytest.importorskip("torch", reason="launching from torch needs torch installed")
+  torch = pytest.importorskip("torch", reason="launching from torch needs torch installed")
+  # jax_triton clears TRITON_CACHE_DIR on import; torch's launcher needs a cache directory.
+  if GPU and not os.environ.get("TRITON_CACHE_DIR"):
+    os.environ["TRITON_CACHE_DIR"] = os.path.expanduser("~/.triton/cache")
+  return torch
+
+
+def _same(a, b, backend, rtol=1e-6) -> bool:
+  """Bitwise equal when one compiler built both sides; when XLA's Triton built the JAX side, to
+  the rounding of the stored dtype (rtol of the largest magnitude: 1e-6 for float32, 2**-7,
+  one bfloat16 step, for bfloat16 outputs)."""
+  a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+  if backend == "triton" and LAUNCH["path"] == "xla_triton":
+    return a.shape == b.shape and bool(np.all(np.abs(a - b) <= rtol * np.max(np.abs(b))))
+  return bits_equal(a, b)
 
 
 def _inputs(N, T, H, HV, K, V, S, seed):
@@ -83,8 +104,9 @@ def test_fused_recurrent_same_bits_from_torch_and_jax(shape, backend):
       num_warps=cfg.num_warps, num_stages=cfg.num_stages)
   if GPU:
     torch.cuda.synchronize()
-  assert bits_equal(np.asarray(o_jax.astype(jnp.float32)), o.float().cpu().numpy())
-  assert bits_equal(np.asarray(cache_jax), cache.cpu().numpy())
+  assert _same(np.asarray(o_jax.astype(jnp.float32)), o.float().cpu().numpy(), backend,
+               rtol=2 ** -7)
+  assert _same(np.asarray(cache_jax), cache.cpu().numpy(), backend)
 
 
 @BACKEND
@@ -124,4 +146,4 @@ def test_prefill_kkt_same_bits_from_torch_and_jax(backend):
   if GPU:
     torch.cuda.synchronize()
   for name, a, b in (("A", A_jax, A), ("Gx", gx_jax, gx), ("rk", rk_jax, rk)):
-    assert bits_equal(np.asarray(a), b.cpu().numpy()), name
+    assert _same(np.asarray(a), b.cpu().numpy(), backend), name
