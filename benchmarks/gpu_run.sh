@@ -135,7 +135,9 @@ if [[ $STEPS == *,tests,* ]]; then
   # preallocated 75% of the GPU, and the tests failed out of memory.)
   K_EXPR=()
   [ -n "${GDP_TEST_K:-}" ] && K_EXPR=(-k "$GDP_TEST_K")
-  XLA_PYTHON_CLIENT_PREALLOCATE=false \
+  # The platform allocator hands memory back as arrays die: with XLA's pooling allocator each
+  # worker kept its high-water mark, and 8 workers ran the GPU out of memory (2026-12-03).
+  XLA_PYTHON_CLIENT_PREALLOCATE=false XLA_PYTHON_CLIENT_ALLOCATOR=platform \
   timeout -s INT -k 10 "$T_TESTS" python3 -m pytest -m gpu -v -ra ${PER_TEST[@]+"${PER_TEST[@]}"} \
     ${K_EXPR[@]+"${K_EXPR[@]}"} ${GDP_TEST_ARGS:-} tests/ \
     >"$OUT/gpu_tests.log" 2>&1
