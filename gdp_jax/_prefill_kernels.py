@@ -75,9 +75,10 @@ class FwdConfig(NamedTuple):
   solve_precision: str = "tf32x3"
   # Its diagonal 16x16 blocks: "subst" (forward substitution, 14 dependent row reductions) or
   # "power8" (8x8 halves by the product form, then the off-half quadrant: 5 dependent 16x16
-  # products; docs/algorithm.md §4.5). power8 matches subst's error on adversarial inputs
-  # (benchmarks/solve_accuracy.json) and compiles for sm_90 without spills, but is untimed on
-  # the GPU, so subst stays the default.
+  # products; docs/algorithm.md §4.5). power8 is not float32-level: on near-parallel keys with
+  # beta near 2 its float32 Ai is up to 17x (ieee) / 25x (tf32x3) further from the float64
+  # inverse than subst's (benchmarks/solve_accuracy.json), as the powers of the halves grow;
+  # in a bf16-stored Ai the store's rounding hides it. Untimed on the GPU; subst is the default.
   solve_diag: str = "subst"
   # Every dot of every kernel (the solve's and the chain's included) on float32 inputs:
   # "tf32x3" (three TF32 tensor-core products, float32-level accuracy, docs/algorithm.md §4.5;
