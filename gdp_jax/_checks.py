@@ -20,7 +20,7 @@ import numpy as np
 
 from gdp_jax._configs import DecodeConfig
 from gdp_jax._prefill_bwd import BwdConfig
-from gdp_jax._prefill_kernels import F32_PRECISIONS, FwdConfig
+from gdp_jax._prefill_kernels import F32_PRECISIONS, SOLVE_DIAGS, FwdConfig
 
 MAX_K = 256
 
@@ -388,6 +388,7 @@ _CONFIG_FIELDS = {
     DecodeConfig: dict(BV=_pow2(1), num_warps=_WARPS, num_stages=_STAGES),
     FwdConfig: dict(
         kkt_bk=_TILE, kkt_warps=_WARPS, solve_warps=_WARPS, solve_precision=_PRECISION16,
+        solve_diag=_choice(*SOLVE_DIAGS),
         f32_precision=_F32, h_bv_wide=_TILE, h_bv_big_k=_TILE,
         h_piece=_int_rule("an int >= -1 (-1: from the request's shape, 0: never split, n > 0: "
                           "pieces of n expanded chunks)", lambda x: x >= -1),

@@ -220,6 +220,8 @@ CONFIG_BAD = [
      r"config: FwdConfig.f32_precision: expected one of 'ieee', 'tf32x3', got 'tf32'"),
     (dict(config=Fwd(solve_precision="bf16")),
      r"config: FwdConfig.solve_precision: expected one of 'tf32x3', 'ieee', 'tf32', got 'bf16'"),
+    (dict(config=Fwd(solve_diag="power16")),
+     r"config: FwdConfig.solve_diag: expected one of 'subst', 'power8', got 'power16'"),
     (dict(config=Fwd(h_split_programs=-1)), r"config: FwdConfig.h_split_programs: expected an int >= 0"),
     (dict(bwd_config=Bwd(h_split=-1)), r"bwd_config: BwdConfig.h_split: expected an int >= 0 \(0: "
      r"from the number of programs, 1: never split, n > 1: n pieces per sequence\), got -1"),
@@ -251,7 +253,8 @@ def test_valid_configs_pass():
   """The defaults, both opt-outs of the shape-keyed split, and every decode tile picked."""
   from gdp_jax import _checks, _configs
   arrays, _ = _split(prefill_args())
-  for config in (Fwd(), Fwd(h_piece=0), Fwd(h_piece=3), Fwd(f32_precision="tf32x3")):
+  for config in (Fwd(), Fwd(h_piece=0), Fwd(h_piece=3), Fwd(f32_precision="tf32x3"),
+                 Fwd(solve_diag="power8")):
     for backend in ("reference", "interpret"):
       jax.eval_shape(lambda a: gdp_jax.chunk_gated_delta_product(
           **a, num_householder=M, config=config, bwd_config=Bwd(h_split=1), backend=backend),
