@@ -23,6 +23,7 @@ docs/performance.md "Compile time") is set for the forward rule's kernels too.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 
@@ -35,17 +36,31 @@ BWD_KERNELS = ("chunk_dv_local", "chunk_h_bwd", "chunk_o_bwd", "chunk_wy_bwd", "
 
 
 def parse_variant(text: str) -> dict:
-  """"o_bk=128,o_warps=8" -> {"o_bk": 128, "o_warps": 8}; names checked against BwdConfig;
+  """"o_bk=128,o_warps=8" -> {"o_bk": 128, "o_warps": 8}; names checked against BwdConfig and
+  FwdConfig (a FwdConfig field sets the forward rule's kernels, e.g. solve_precision=tf32);
   values are ints, or strings where they are not digits."""
   from gdp_jax import _prefill_bwd
+  from gdp_jax import _prefill_kernels as pk
+  fields = set(_prefill_bwd.BwdConfig._fields) | set(pk.FwdConfig._fields)
   out = {}
   for kv in filter(None, text.split(",")):
     name, _, value = kv.partition("=")
-    if name not in _prefill_bwd.BwdConfig._fields:
-      raise SystemExit(f"--variant: {name!r} is not a BwdConfig field "
-                       f"({', '.join(_prefill_bwd.BwdConfig._fields)})")
+    if name not in fields:
+      raise SystemExit(f"--variant: {name!r} is neither a BwdConfig nor a FwdConfig field "
+                       f"({', '.join(sorted(fields))})")
     out[name] = int(value) if value.lstrip("-").isdigit() else value  # f32_precision=ieee
   return out
+
+
+def split_variant(var: dict):
+  """(BwdConfig, FwdConfig) of a variant: each field to the config that has it; f32_precision,
+  which both have, to both (as the public entry point's configs would be set)."""
+  from gdp_jax import _prefill_bwd
+  from gdp_jax import _prefill_kernels as pk
+  bwd = {k: v for k, v in var.items() if k in _prefill_bwd.BwdConfig._fields}
+  fwd = {k: v for k, v in var.items() if k in pk.FwdConfig._fields}
+  cfg = _prefill_bwd.BwdConfig()._replace(**bwd)
+  return cfg, pk.FwdConfig(f32_precision=cfg.f32_precision)._replace(**fwd)
 
 
 def rel_err(a, b) -> float:
@@ -70,6 +85,8 @@ def main():
   p.add_argument("--smoke", action="store_true",
                  help="CPU: the interpreter on train.py's smoke rows (checks the script, times "
                       "nothing of interest)")
+  p.add_argument("--json", default=None,
+                 help="also write each run's step ms and backward kernel us to this file")
   p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"),
                  help="of q, k, v, beta and the output cotangent (g stays float32)")
   args = p.parse_args()
@@ -78,11 +95,11 @@ def main():
   import jax.numpy as jnp
   common.fix_triton_cache()
   from gdp_jax import _prefill_bwd
-  from gdp_jax import _prefill_kernels as pk
   variants = [parse_variant(v) for v in args.variant + args.variants.split(";") if v]
   backend = "interpret" if args.smoke else "triton"
   calls = 1 if args.smoke else 3
   rows = train.shapes(smoke=args.smoke)
+  table = []
   for i in map(int, args.rows.split(",")):
     r = rows[i]
     K, M = r["K"], r["M"]
@@ -93,11 +110,11 @@ def main():
     do = jnp.asarray(h["do"]).astype(dt)
     cu = jnp.asarray(h["cu_seqlens"]) if "cu_seqlens" in h else None
 
-    def step_under(cfg):
-      """The jitted value_and_grad of <o, do> with the backward under cfg (the training path
-      that the public entry point takes, with an explicit config)."""
-      static = _prefill_bwd._Static(M, K ** -0.5, False, True, backend, cfg,
-                                    pk.FwdConfig(f32_precision=cfg.f32_precision))
+    def step_under(var):
+      """The jitted value_and_grad of <o, do> with the kernels under the variant's configs (the
+      training path that the public entry point takes, with explicit configs)."""
+      cfg, fcfg = split_variant(var)
+      static = _prefill_bwd._Static(M, K ** -0.5, False, True, backend, cfg, fcfg)
 
       def loss(x):
         o, _ = _prefill_bwd._prefill(x["q"], x["k"], x["v"], x["g"], x["beta"], None, cu,
@@ -106,10 +123,9 @@ def main():
 
       return jax.jit(jax.value_and_grad(loss)), jax.jit(loss)
 
-    default_step, fwd = step_under(_prefill_bwd.BwdConfig())
+    default_step, fwd = step_under({})
     runs = [("fwd", fwd, None), ("fwd+bwd", default_step, {})]
-    runs += [(f"fwd+bwd {var}", step_under(_prefill_bwd.BwdConfig()._replace(**var))[0], var)
-             for var in variants]
+    runs += [(f"fwd+bwd {var}", step_under(var)[0], var) for var in variants]
     ref_grads, summary = None, []
     for name, f, var in runs:
       try:
@@ -130,6 +146,12 @@ def main():
           errs = " ".join(f"d{n} {rel_err(grads[n], ref_grads[n]):.1e}" for n in grads)
           print(f"   gradients against the default config's: {errs}")
       summary.append((name, ms, kernel_us(prof, calls), errs))
+      if args.json:
+        table.append(dict(row=i, run=name, variant=var, ms=ms, kernel_us=kernel_us(prof, calls),
+                          grad_err_vs_default=errs))
+        with open(args.json, "w") as fh:
+          json.dump(dict(meta=dict(commit=common.git_commit(), dtype=args.dtype), runs=table),
+                    fh, indent=1)
     print(f"\n-- row {i} {r}: step ms, backward kernels us per step, gradient error vs default")
     print("   " + f"{'run':<44} {'ms':>7} " + " ".join(f"{k:>14}" for k in BWD_KERNELS))
     for name, ms, us, errs in summary:
