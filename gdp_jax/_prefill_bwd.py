@@ -28,6 +28,9 @@ writes rows past cu_seqlens[N] as zeros and stores the gradient in its input's d
 HV == H there is nothing to sum for dk and chunk_wy_bwd finishes it in place of qk_bwd (the
 norm backward from the forward's key norms, the cast, the zero tail: no float32 dk in memory).
 With cu_seqlens chunk_wy_bwd also writes the zero rows past cu_seqlens[N] of dv, dbeta and dg.
+Likewise with HV == H, BwdConfig.finish_dq and o_bk >= K (one chunk_o_bwd program per chunk and
+head owns whole dq rows), chunk_o_bwd finishes dq: the norm backward from the raw q row, the
+cast, the zero rows past cu_seqlens[N]; no float32 dq, no qk_bwd launch for it.
 The normalised q and k rows the kernels take are stored by the training forward (stages 2 and
 6); what stays in XLA is dg kept from each token's first copy. The chunk states are saved by the
 forward rather than recomputed (FLA and jax-linear-attention recompute them with a second
