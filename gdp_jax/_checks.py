@@ -403,7 +403,7 @@ _CONFIG_FIELDS = {
         o_bk=_TILE, o_bv=_TILE, o_warps=_WARPS, o_stages=_STAGES, wy_warps=_WARPS,
         # qk_bwd's rows per program, qk_block // BK, must be a power of two too.
         qk_block=_pow2(16), qk_warps=_WARPS,
-        finish_dk=_BIT, f32_precision=_F32),
+        finish_dk=_BIT, finish_dq=_BIT, o_sds_blocks=_BIT, f32_precision=_F32),
 }
 
 
