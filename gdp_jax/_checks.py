@@ -20,7 +20,7 @@ import numpy as np
 
 from gdp_jax._configs import DecodeConfig
 from gdp_jax._prefill_bwd import BwdConfig
-from gdp_jax._prefill_kernels import F32_PRECISIONS, SOLVE_DIAGS, FwdConfig
+from gdp_jax._prefill_kernels import F32_PRECISIONS, FwdConfig
 
 MAX_K = 256
 
@@ -388,7 +388,6 @@ _CONFIG_FIELDS = {
     DecodeConfig: dict(BV=_pow2(1), num_warps=_WARPS, num_stages=_STAGES),
     FwdConfig: dict(
         kkt_bk=_TILE, kkt_warps=_WARPS, solve_warps=_WARPS, solve_precision=_PRECISION16,
-        solve_diag=_choice(*SOLVE_DIAGS),
         f32_precision=_F32, h_bv_wide=_TILE, h_bv_big_k=_TILE,
         h_piece=_int_rule("an int >= -1 (-1: from the request's shape, 0: never split, n > 0: "
                           "pieces of n expanded chunks)", lambda x: x >= -1),
@@ -403,7 +402,7 @@ _CONFIG_FIELDS = {
         o_bk=_TILE, o_bv=_TILE, o_warps=_WARPS, o_stages=_STAGES, wy_warps=_WARPS,
         # qk_bwd's rows per program, qk_block // BK, must be a power of two too.
         qk_block=_pow2(16), qk_warps=_WARPS,
-        finish_dk=_BIT, finish_dq=_BIT, o_sds_blocks=_BIT, f32_precision=_F32),
+        finish_dk=_BIT, f32_precision=_F32),
 }
 
 

@@ -28,9 +28,6 @@ writes rows past cu_seqlens[N] as zeros and stores the gradient in its input's d
 HV == H there is nothing to sum for dk and chunk_wy_bwd finishes it in place of qk_bwd (the
 norm backward from the forward's key norms, the cast, the zero tail: no float32 dk in memory).
 With cu_seqlens chunk_wy_bwd also writes the zero rows past cu_seqlens[N] of dv, dbeta and dg.
-Likewise with HV == H, BwdConfig.finish_dq and o_bk >= K (one chunk_o_bwd program per chunk and
-head owns whole dq rows), chunk_o_bwd finishes dq: the norm backward from the raw q row, the
-cast, the zero rows past cu_seqlens[N]; no float32 dq, no qk_bwd launch for it.
 The normalised q and k rows the kernels take are stored by the training forward (stages 2 and
 6); what stays in XLA is dg kept from each token's first copy. The chunk states are saved by the
 forward rather than recomputed (FLA and jax-linear-attention recompute them with a second
@@ -103,14 +100,6 @@ class BwdConfig(NamedTuple):
   # With HV == H, chunk_wy_bwd finishes dk (norm backward, cast, zero tail) instead of writing
   # float32 rows for qk_bwd (0: the qk_bwd path, kept to time the two against each other).
   finish_dk: int = 1
-  # With HV == H and o_bk >= K (a chunk_o_bwd program owns whole rows of dq), chunk_o_bwd
-  # finishes dq likewise (norm backward, cast, zero tail) and qk_bwd's dq launch and the float32
-  # dq buffer go; otherwise, or at 0, dq goes through qk_bwd. 0 by default: untimed on the GPU.
-  finish_dq: int = 0
-  # chunk_o_bwd's <S, dS> from the diagonal 16 x 16 blocks of dS S^T (one batched product per
-  # V step) instead of the whole [o_bk, o_bk] float32 product, the largest accumulator at
-  # o_bk = 128; 0 by default: untimed on the GPU.
-  o_sds_blocks: int = 0
   # The dots on float32 inputs, as FwdConfig.f32_precision ("tf32x3" or "ieee"); the forward
   # rule's kernels take _Static.fwd_config's.
   f32_precision: str = "tf32x3"
@@ -295,28 +284,22 @@ def _backward(q, k, v, g, beta, initial_state, cu_seqlens, res, do, dht, static)
       USE_DHT=ds_out is not None, USE_DH0=initial_state is not None, SUMMARY=False, **h_kw)
 
   nk = -(-K // cfg.o_bk)
-  l2 = static.use_qk_l2norm_in_kernel
-  # One program per chunk and head owns whole dq rows: chunk_o_bwd finishes dq (with cu_seqlens
-  # also its zero rows past cu_seqlens[N], block i_d by descriptor i_d).
-  finish_dq = HV == H and nk == 1 and bool(cfg.finish_dq)
   dq_v, dk_o, dw, dg_k, _ = _launch.call(
       "chunk_o_bwd.chunk_o_bwd_kernel", qn, kn, v_new, h_x, do_t, dh, dvp,
-      gx if use_g else ph(), cu, desc_x, qp if finish_dq and l2 else ph(dtype), N, TT,
-      float(static.scale),
+      gx if use_g else ph(), cu, desc_x, float(static.scale),
       grid=(desc_x.shape[0] * nk, HV),   # the K block fastest (shared tiles in L2)
-      out_shape=[jax.ShapeDtypeStruct((TT, HV, K), q.dtype if finish_dq else f32),
-                 jax.ShapeDtypeStruct((R, HV, K), f32),
+      out_shape=[jax.ShapeDtypeStruct((TT, HV, K), f32), jax.ShapeDtypeStruct((R, HV, K), f32),
                  jax.ShapeDtypeStruct((R, HV, K), dtype),
                  jax.ShapeDtypeStruct((R, HV, nk) if use_g else (1,), f32),
                  jax.ShapeDtypeStruct((R, HV, nk, BT), dtype)],   # dP, read back transposed
       backend=backend, num_warps=cfg.o_warps, num_stages=cfg.o_stages,
       H=H, HV=HV, K=K, V=V, M=M, BT=BT, BK=cfg.o_bk, BV=cfg.o_bv, NK=nk, USE_G=use_g,
-      FINISH_DQ=finish_dq, USE_L2NORM=l2, ZERO_TAIL=cu_seqlens is not None,
-      SDS_BLOCKS=bool(cfg.o_sds_blocks), DOT_PRECISION=prec)
+      DOT_PRECISION=prec)
 
   # Without value heads to sum (HV == H), chunk_wy_bwd finishes dk in k's dtype; otherwise it
   # leaves float32 rows per value head for qk_bwd. With cu_seqlens it writes the zero rows past
   # cu_seqlens[N] of its outputs too (block i_d by descriptor i_d: enough descriptors).
+  l2 = static.use_qk_l2norm_in_kernel
   finish_dk = HV == H and bool(cfg.finish_dk)
   assert desc_x.shape[0] * BT >= R, (desc_x.shape, R)
   dk_x, dv_x, dbeta_x, dg_x, _ = _launch.call(
@@ -336,8 +319,7 @@ def _backward(q, k, v, g, beta, initial_state, cu_seqlens, res, do, dht, static)
 
   # qk_bwd: the group sums over value heads, the L2 norm's backward, the zero rows past
   # cu_seqlens[N] and the cast, in one pass over each float32 buffer.
-  dq = dq_v if finish_dq else _qk_bwd(dq_v, qp if l2 else None, cu, N, 1, H, q.dtype, backend,
-                                      cfg)
+  dq = _qk_bwd(dq_v, qp if l2 else None, cu, N, 1, H, q.dtype, backend, cfg)
   dk = dk_x if finish_dk else _qk_bwd(dk_x, kp if l2 else None, cu, N, M, H, k.dtype, backend,
                                       cfg)
   dg = dg_x.reshape(TT, M, HV)[:, 0] if use_g else None

@@ -73,13 +73,6 @@ class FwdConfig(NamedTuple):
   # 0.702 / 0.786 / 0.531 ms at B=8 T=4096 H=32 and 0.100 / 0.114 / 0.079 ms at B=1 T=8192;
   # ptxas: tf32x3 at one warp has no spills where ieee spills 840 B.
   solve_precision: str = "tf32x3"
-  # Its diagonal 16x16 blocks: "subst" (forward substitution, 14 dependent row reductions) or
-  # "power8" (8x8 halves by the product form, then the off-half quadrant: 5 dependent 16x16
-  # products; docs/algorithm.md §4.5). power8 is not float32-level: on near-parallel keys with
-  # beta near 2 its float32 Ai is up to 17x (ieee) / 25x (tf32x3) further from the float64
-  # inverse than subst's (benchmarks/solve_accuracy.json), as the powers of the halves grow;
-  # in a bf16-stored Ai the store's rounding hides it. Untimed on the GPU; subst is the default.
-  solve_diag: str = "subst"
   # Every dot of every kernel (the solve's and the chain's included) on float32 inputs:
   # "tf32x3" (three TF32 tensor-core products, float32-level accuracy, docs/algorithm.md §4.5;
   # every float32 GPU test passes under it on the H200) or "ieee" (exact float32 products on
@@ -245,8 +238,6 @@ def _block(size: int, width: int) -> int:
 # The precisions a config may give float32 inputs: float32-level products only, so not "tf32"
 # (one TF32 product rounds the operands to 10 bits). Checked by gdp_jax._checks.check_config.
 F32_PRECISIONS = ("ieee", "tf32x3")
-# The forms of the solve's diagonal blocks (FwdConfig.solve_diag), checked there too.
-SOLVE_DIAGS = ("subst", "power8")
 
 
 def _dot_precision(dtype, f32_precision: str, precision16: str = "tf32") -> str:
@@ -302,7 +293,7 @@ def _solve_launch(A, cu, desc, *, M, dtype, config: FwdConfig) -> KernelCall:
       (jax.ShapeDtypeStruct((TM, HV, BT), dtype),),
       grid=(desc.shape[0], HV), num_warps=config.solve_warps,
       constexprs=dict(HV=HV, M=M, BT=BT, DOT_PRECISION=_dot_precision(
-          dtype, config.f32_precision, config.solve_precision), DIAG=config.solve_diag))
+          dtype, config.f32_precision, config.solve_precision)))
 
 
 def _solve(A, cu, desc, *, M, dtype, backend, config=FwdConfig()):

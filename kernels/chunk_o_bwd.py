@@ -23,9 +23,7 @@ the input dtype as the dq~ product takes it, is stored to a scratch tile of the 
 and read back transposed, as chunk_wy_bwd does for dA) rather than through tl.trans; and a
 loaded tile that feeds both a dot and a register reduction in one pipelined loop
 (docs/algorithm.md §4.2), so <S, dS> is the trace of the product dS S^T accumulated beside the
-others. Transposed operands are transposes of loaded tiles. With SDS_BLOCKS only the diagonal
-16 x 16 blocks of dS S^T are formed, as one batched product of the [BK/16, 16, BV] views of the
-loaded dS and S tiles (S's permuted), a [BK/16, 16, 16] accumulator in place of [BK, BK].
+others. Transposed operands are transposes of loaded tiles.
 
 Grid: (NK * expanded-chunk descriptors, HV), NK = ceil(K / BK), the K block fastest: program
 (i_d * NK + i_k, i_hv) owns BK columns of K of one chunk and value head and loops over V in
@@ -35,13 +33,6 @@ that the later ones may find do~, V' and dV' (read by each) in L2 instead of HBM
 per K block and is summed by chunk_wy_bwd. Rows past the sequence end are neither read nor
 written; dq~ goes out on the token stream (the last copies only: every other row of dq~ is
 zero).
-
-With FINISH_DQ (HV == H and NK == 1: a program owns whole rows of dq, nothing to sum over value
-heads) the program finishes dq as qk_bwd would: with USE_L2NORM the norm's backward
-dx = r (dy - y <y, dy>), y = x r, r = 1 / sqrt(|x|^2 + 1e-6) from the raw query row x, then the
-cast to the gradient's dtype. With ZERO_TAIL too (packed inputs) program i_d writes zeros over
-the i_d-th block of BT token rows at or past cu_seqlens[N], padding descriptors included, as
-chunk_wy_bwd does for dk.
 
 Parameter order: inputs, outputs, constexprs.
 """
@@ -64,13 +55,9 @@ def chunk_o_bwd_kernel(
     g_cum,       # [T*M, HV] float32 Gx; a placeholder when USE_G is False
     cu_seqlens,  # [N+1] int32 token-stream sequence starts
     chunk_desc,  # [NXD, 2] int32 (sequence, expanded chunk within it); sequence -1 = padding
-    x,           # [T, H, K] raw queries; a placeholder unless FINISH_DQ and USE_L2NORM
-    N,           # sequences
-    TQ,          # rows of the token stream, T
     scale,       # float32 query scale
     # outputs
-    dq,          # [T, HV, K] float32 cotangent of q per value head; with FINISH_DQ the query
-                 # gradient [T, H, K] in its dtype
+    dq,          # [T, HV, K] float32 cotangent of q per value head
     dk,          # [T*M, HV, K] float32 (output and state-update parts)
     dw,          # [T*M, HV, K] input dtype (chunk_wy_bwd rounds it so for every product)
     dg,          # [T*M, HV, NK] float32 dG per K block; never written without USE_G
@@ -88,24 +75,11 @@ def chunk_o_bwd_kernel(
     NK: tl.constexpr,  # ceil(K / BK): K blocks per chunk and head, the grid's fastest
     # flags
     USE_G: tl.constexpr,
-    FINISH_DQ: tl.constexpr,    # HV == H and NK == 1: dq finished here (norm backward, cast)
-    USE_L2NORM: tl.constexpr,
-    ZERO_TAIL: tl.constexpr,    # with FINISH_DQ, packed: zero dq's rows past cu_seqlens[N]
-    SDS_BLOCKS: tl.constexpr,   # <S, dS> from the diagonal 16 x 16 blocks of dS S^T only
     DOT_PRECISION: tl.constexpr,
 ):
   i_d, i_k = tl.program_id(0) // NK, tl.program_id(0) % NK
   i_hv = tl.program_id(1)
   i_h = i_hv // (HV // H)
-  if FINISH_DQ and ZERO_TAIL:
-    # Before the padding descriptors return: every descriptor zeroes its block of the rows
-    # that belong to no sequence (at least ceil(T * M / BT) descriptors for ceil(T / BT) blocks).
-    row_z = tl.load(cu_seqlens + N).to(tl.int64) + i_d * BT + tl.arange(0, BT)
-    for i_kz in range(tl.cdiv(K, BK)):
-      o_kz = i_kz * BK + tl.arange(0, BK)
-      tl.store(dq + row_z[:, None] * (H * K) + i_h * K + o_kz[None, :],
-               tl.zeros([BT, BK], dtype=dq.dtype.element_ty),
-               mask=(row_z < TQ)[:, None] & (o_kz < K)[None, :])
   i_n, row0, n = chunk_span(chunk_desc, cu_seqlens, i_d, M, BT)
   if i_n < 0:
     return
@@ -125,10 +99,7 @@ def chunk_o_bwd_kernel(
   b_dp = tl.zeros([BT, BT], dtype=tl.float32)
   b_dks = tl.zeros([BT, BK], dtype=tl.float32)
   b_dw = tl.zeros([BT, BK], dtype=tl.float32)
-  if SDS_BLOCKS:
-    b_sds = tl.zeros([BK // 16, 16, 16], dtype=tl.float32)
-  else:
-    b_sds = tl.zeros([BK, BK], dtype=tl.float32)
+  b_sds = tl.zeros([BK, BK], dtype=tl.float32)
   for i_v in range(tl.cdiv(V, BV)):
     o_v = i_v * BV + tl.arange(0, BV)
     mask_v = o_v < V
@@ -146,14 +117,7 @@ def chunk_o_bwd_kernel(
     b_dks += tl.dot(b_vn, tl.trans(b_dh), input_precision=DOT_PRECISION)
     b_dw += tl.dot(b_dv, b_ht, input_precision=DOT_PRECISION)
     if USE_G:
-      if SDS_BLOCKS:
-        # Only the trace is needed: the diagonal blocks as one batched product, S's operand a
-        # permute of the loaded tile (not of a product: FLA #640).
-        b_sds += tl.dot(tl.reshape(b_dh, [BK // 16, 16, BV]),
-                        tl.permute(tl.reshape(b_h, [BK // 16, 16, BV]), (0, 2, 1)),
-                        input_precision=DOT_PRECISION)
-      else:
-        b_sds += tl.dot(b_dh, b_ht, input_precision=DOT_PRECISION)
+      b_sds += tl.dot(b_dh, b_ht, input_precision=DOT_PRECISION)
   b_dp, b_gam, b_kdec, b_g_last = _decayed_dp(b_dp, g_cum, row0, n, i_hv, HV, BT, USE_G)
   # dP^T through memory: the transpose of a dot result fed to another dot is miscompiled on
   # Hopper by Triton 3.4 to 3.7.0 (FLA #640). The barrier makes this program's stores visible
@@ -166,16 +130,11 @@ def chunk_o_bwd_kernel(
   tl.debug_barrier()
   b_dpt = tl.load(p_s + o_a[None, :] * (HV * NK * BT) + o_a[:, None], mask=mask_r[None, :],
                   other=0.).to(dt)
-  if SDS_BLOCKS:
-    o_kk = tl.arange(0, 16)
-    b_sds = tl.sum(tl.sum(tl.where(o_kk[:, None] == o_kk[None, :], b_sds, 0.), 2), 1)
-    b_sds = tl.sum(b_sds, 0)
-  else:
-    o_kk = tl.arange(0, BK)
-    b_sds = tl.sum(tl.sum(tl.where(o_kk[:, None] == o_kk[None, :], b_sds, 0.), 1), 0)
-  _store_k_block(q, k, x, dq, dk, dw, dg, b_dp, b_dpt, b_dqi, b_dks, b_dw, b_sds, b_gam, b_kdec,
+  o_kk = tl.arange(0, BK)
+  b_sds = tl.sum(tl.sum(tl.where(o_kk[:, None] == o_kk[None, :], b_sds, 0.), 1), 0)
+  _store_k_block(q, k, dq, dk, dw, dg, b_dp, b_dpt, b_dqi, b_dks, b_dw, b_sds, b_gam, b_kdec,
                  b_g_last, scale, row0, n, tok, mask_q, i_h, i_hv, i_k,
-                 H, HV, K, BT, BK, NK, USE_G, FINISH_DQ, USE_L2NORM, DOT_PRECISION)
+                 H, HV, K, BT, BK, NK, USE_G, DOT_PRECISION)
 
 
 @triton.jit
@@ -202,14 +161,11 @@ def _decayed_dp(b_dp, g_cum, row0, n, i_hv, HV: tl.constexpr, BT: tl.constexpr,
 
 
 @triton.jit
-def _store_k_block(q, k, x, dq, dk, dw, dg, b_dp, b_dpt, b_dqi, b_dks, b_dw, b_sds, b_gam,
-                   b_kdec, b_g_last, scale, row0, n, tok, mask_q, i_h, i_hv, i_k,
-                   H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr,
-                   BK: tl.constexpr, NK: tl.constexpr, USE_G: tl.constexpr,
-                   FINISH_DQ: tl.constexpr, USE_L2NORM: tl.constexpr,
-                   DOT_PRECISION: tl.constexpr):
-  """dq~ (with FINISH_DQ: dq), dk, dW and dG's part of K block i_k from the products
-  accumulated over V."""
+def _store_k_block(q, k, dq, dk, dw, dg, b_dp, b_dpt, b_dqi, b_dks, b_dw, b_sds, b_gam, b_kdec,
+                   b_g_last, scale, row0, n, tok, mask_q, i_h, i_hv, i_k, H: tl.constexpr,
+                   HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
+                   NK: tl.constexpr, USE_G: tl.constexpr, DOT_PRECISION: tl.constexpr):
+  """dq~, dk, dW and dG's part of K block i_k from the products accumulated over V."""
   dt = k.dtype.element_ty
   o_a = tl.arange(0, BT)
   mask_r = o_a < n
@@ -238,14 +194,5 @@ def _store_k_block(q, k, x, dq, dk, dw, dg, b_dp, b_dpt, b_dqi, b_dks, b_dw, b_s
   # dq~ stored after the dG reductions that read it rather than before them: 252 registers and
   # no spill at sm_90 against 254 and 56 B (bf16, K = V = 128; 254 and none against 255 and
   # 120 B at BK 128, 8 warps).
-  m_qk = mask_q[:, None] & mask_k[None, :]
-  if FINISH_DQ and USE_L2NORM:
-    # qk_bwd's formula, in its order, on the whole raw query row (BK >= K).
-    b_x = tl.load(x + tok[:, None] * (H * K) + i_h * K + o_k[None, :], mask=m_qk,
-                  other=0.).to(tl.float32)
-    b_r = tl.rsqrt(tl.sum(b_x * b_x, 1) + 1e-6)
-    b_y = b_x * b_r[:, None]
-    b_yd = tl.sum(b_y * b_dq, 1)
-    b_dq = b_r[:, None] * (b_dq - b_y * b_yd[:, None])
-  tl.store(dq + tok[:, None] * (HV * K) + i_hv * K + o_k[None, :], b_dq.to(dq.dtype.element_ty),
-           mask=m_qk)
+  tl.store(dq + tok[:, None] * (HV * K) + i_hv * K + o_k[None, :], b_dq,
+           mask=mask_q[:, None] & mask_k[None, :])

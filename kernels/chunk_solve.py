@@ -66,36 +66,6 @@ def _mm(a, b, DOT_PRECISION: tl.constexpr):
 
 
 @triton.jit
-def _power8(b_L, o_i, DOT_PRECISION: tl.constexpr):
-  """(I - L)^-1 for a strictly lower 16x16 L in five dependent products instead of 14 row updates.
-
-  The product form (I + L)(I + L^2)(I + L^4)(I + L^8) over the whole block is exact in exact
-  arithmetic but not in float32: with near-parallel keys and beta near 2 the powers of L grow
-  (1.2e-2 relative error of Ai measured). So the block is split into 8x8 halves,
-  L = D + F with D = diag(L11, L22) and F = [[0, 0], [L21, 0]]. D^8 = 0, so
-  Y = (I - D)^-1 = (I + D + D^2 + D^3)(I + D^4), whose powers grow less but still cancel: on
-  near-parallel keys with beta near 2 the float32 Ai is up to 25x further from the float64
-  inverse than the substitution's (benchmarks/solve_accuracy.json). Then
-  (I - L)^-1 = ((I - D)(I - Y F))^-1 = (I + Y F) Y = Y + Y (F Y), since (Y F)^2 = 0.
-  Entries that are zero in exact arithmetic (above the diagonal, and the off-half quadrants of
-  the powers of D) come out as exact zeros, so the stored tile is lower triangular with a unit
-  diagonal, as the substitution's is.
-  """
-  P: tl.constexpr = DOT_PRECISION
-  m_half = (o_i[:, None] // 8) == (o_i[None, :] // 8)
-  m_diag = o_i[:, None] == o_i[None, :]
-  b_D = tl.where(m_half, b_L, 0.)
-  b_F = b_L - b_D
-  b_D2 = _mm(b_D, b_D, P)
-  # D^4 and D^3 are independent: the chain is D^2, {D^4, D^3}, Y, F Y, Y F Y.
-  b_D4 = _mm(b_D2, b_D2, P)
-  b_Q = tl.where(m_diag, 1., b_D + b_D2) + _mm(b_D, b_D2, P)
-  # Q (I + D^4) as Q + Q D^4: Q rides in the accumulator, not through a split dot operand.
-  b_Y = tl.dot(b_Q, b_D4, b_Q, input_precision=P)
-  return tl.dot(b_Y, _mm(b_F, b_Y, P), b_Y, input_precision=P)
-
-
-@triton.jit
 def chunk_solve_fwd_kernel(
     # inputs
     A,           # [T*M, HV, BT] float32 strictly lower blocks from stage 2
@@ -108,7 +78,6 @@ def chunk_solve_fwd_kernel(
     M: tl.constexpr,
     BT: tl.constexpr,  # 64: the 4x4 split of 16x16 blocks is written out below
     DOT_PRECISION: tl.constexpr,  # of the off-diagonal products: "ieee", "tf32x3" or "tf32"
-    DIAG: tl.constexpr,  # the diagonal blocks: "subst" or "power8" (FwdConfig.solve_diag)
 ):
   i_d, i_hv = tl.program_id(0), tl.program_id(1)
   i_n, row0, n = chunk_span(chunk_desc, cu_seqlens, i_d, M, BT)
@@ -121,28 +90,21 @@ def chunk_solve_fwd_kernel(
   m_strict = o_i[:, None] > o_i[None, :]
   m_diag = o_i[:, None] == o_i[None, :]
 
-  P: tl.constexpr = DOT_PRECISION
   b_L0 = -tl.where(m_strict, _load_block(p_A, 0, 0, n, HV * BT), 0.)
   b_L1 = -tl.where(m_strict, _load_block(p_A, 1, 1, n, HV * BT), 0.)
   b_L2 = -tl.where(m_strict, _load_block(p_A, 2, 2, n, HV * BT), 0.)
   b_L3 = -tl.where(m_strict, _load_block(p_A, 3, 3, n, HV * BT), 0.)
-  if DIAG == "power8":
-    b_X00 = _power8(b_L0, o_i, P)
-    b_X11 = _power8(b_L1, o_i, P)
-    b_X22 = _power8(b_L2, o_i, P)
-    b_X33 = _power8(b_L3, o_i, P)
-  else:
-    # Rows 0 and 1 of each L are final already. Rows at or past n are zero and stay zero, so
-    # the loop stops at n; block 0 holds the most valid rows, so its count bounds all four.
-    for i in range(2, tl.minimum(n, 16)):
-      b_L0 = _substitute_row(b_L0, p_A, 0, i, o_i, n, HV * BT)
-      b_L1 = _substitute_row(b_L1, p_A, 1, i, o_i, n, HV * BT)
-      b_L2 = _substitute_row(b_L2, p_A, 2, i, o_i, n, HV * BT)
-      b_L3 = _substitute_row(b_L3, p_A, 3, i, o_i, n, HV * BT)
-    b_X00 = tl.where(m_diag, 1., b_L0)
-    b_X11 = tl.where(m_diag, 1., b_L1)
-    b_X22 = tl.where(m_diag, 1., b_L2)
-    b_X33 = tl.where(m_diag, 1., b_L3)
+  # Rows 0 and 1 of each L are final already. Rows at or past n are zero and stay zero, so the
+  # loop stops at n; block 0 holds the most valid rows, so its count bounds all four.
+  for i in range(2, tl.minimum(n, 16)):
+    b_L0 = _substitute_row(b_L0, p_A, 0, i, o_i, n, HV * BT)
+    b_L1 = _substitute_row(b_L1, p_A, 1, i, o_i, n, HV * BT)
+    b_L2 = _substitute_row(b_L2, p_A, 2, i, o_i, n, HV * BT)
+    b_L3 = _substitute_row(b_L3, p_A, 3, i, o_i, n, HV * BT)
+  b_X00 = tl.where(m_diag, 1., b_L0)
+  b_X11 = tl.where(m_diag, 1., b_L1)
+  b_X22 = tl.where(m_diag, 1., b_L2)
+  b_X33 = tl.where(m_diag, 1., b_L3)
 
   # Column by column, each block of A loaded just before its first product and each X block
   # stored as soon as it is final, so few 16x16 tiles are live at once: 128 registers (16
@@ -150,6 +112,7 @@ def chunk_solve_fwd_kernel(
   # distance from the diagonal needed 225 (8 per SM). The stage is latency-bound, so more
   # resident programs hide more of it: 80.9 against 92.5 us at B=1 T=8192 on the H200. The
   # products themselves, and so the bits, are the same in either order.
+  P: tl.constexpr = DOT_PRECISION
   b_0 = tl.zeros([16, 16], dtype=tl.float32)
   _store_block(p_Ai, b_X00, 0, 0, n, HV * BT)
   _store_block(p_Ai, b_0, 0, 1, n, HV * BT)

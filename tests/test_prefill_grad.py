@@ -301,7 +301,7 @@ def test_scan_block_widths_agree():
 # config: one masked K block of 128 at K = 100 (the default has two of 64), one masked V step of
 # 128 at V = 80 (the default has two of 64).
 O_CASE = Case(T=43, H=2, HV=4, K=100, V=80, M=3, l2norm=True)
-O_VARIANTS = [dict(o_bk=128), dict(o_bv=128), dict(o_sds_blocks=1)]
+O_VARIANTS = [dict(o_bk=128), dict(o_bv=128)]
 
 
 def test_chunk_o_bwd_variants():
@@ -316,52 +316,6 @@ def test_chunk_o_bwd_variants():
       assert e < 1e-5, f"d{n} under {v}: ratio {e:.3e} to the default config"
 
 
-# dq finished by chunk_o_bwd (HV == H, one K block), with <S, dS> from the diagonal blocks or
-# from the whole product: packed with an empty sequence and rows past cu_seqlens[N] (zeroed by
-# the padding descriptors' programs too), and dense without the L2 norm (dq is dq~'s sum, cast).
-DQ_CASES = [
-    Case(T=150, H=2, HV=2, K=100, V=48, M=3, varlen=(5, 0, 70, 1, 64), l2norm=True),
-    Case(B=2, T=40, H=1, HV=1, K=32, V=16, M=2),
-]
-DQ_VARIANTS = [dict(o_bk=128, finish_dq=1), dict(o_bk=128, finish_dq=1, o_sds_blocks=1)]
-
-
-@pytest.mark.parametrize("c", DQ_CASES, ids=lambda c: c.id)
-def test_dq_finished_in_o_bwd(c):
-  """Against the reference, and the default's gradients (qk_bwd finishing dq, K blocks of 64)
-  to float32 rounding. The two trace forms change only dG's last rows, so in the interpreter
-  every other gradient is bitwise the same under both."""
-  default, *outs = check_grads(
-      c, KERNEL_BACKEND, configs=[_prefill_bwd.BwdConfig(**v) for v in [{}] + DQ_VARIANTS])
-  for v, out in zip(DQ_VARIANTS, outs):
-    for n in out:
-      e = err_ratio(default[n], out[n])
-      assert e < 1e-5, f"d{n} under {v}: ratio {e:.3e} to the default config"
-  for n in outs[0]:
-    if n != "g":
-      assert bits_equal(outs[0][n], outs[1][n]), f"d{n} differs between the trace forms"
-
-
-def test_dq_finished_in_o_bwd_skips_qk_bwd(monkeypatch):
-  """finish_dq takes qk_bwd's dq launch away only where a chunk_o_bwd program owns whole dq
-  rows: HV == H and o_bk >= K (traced only)."""
-  def launches(config, HV=2, K=32):
-    seen = spy_launches(monkeypatch, lambda kernel, args, kwargs: (
-        kernel, kwargs.get("FINISH_DQ"), kwargs.get("M")))
-    c = Case(T=70, H=2, HV=HV, K=K, V=16, M=2, l2norm=True, varlen=(30, 0, 35))
-    x, cts, kw = make_inputs(c, 0)
-    jax.eval_shape(lambda x: grads(x, cts, kw, KERNEL_BACKEND, config), _cast(c, x))
-    return [(k, f, m) for k, f, m in seen if k.split(".")[0] in ("chunk_o_bwd", "qk_bwd")]
-
-  o_bwd, qk = "chunk_o_bwd.chunk_o_bwd_kernel", "qk_bwd.qk_bwd_kernel"
-  cfg = _prefill_bwd.BwdConfig(finish_dq=1)
-  assert launches(cfg) == [(o_bwd, True, 2)]                       # dk: chunk_wy_bwd
-  assert launches(cfg._replace(finish_dk=0)) == [(o_bwd, True, 2), (qk, None, 2)]
-  assert launches(_prefill_bwd.BwdConfig()) == [(o_bwd, False, 2), (qk, None, 1)]
-  assert launches(cfg, HV=4) == [(o_bwd, False, 2), (qk, None, 1), (qk, None, 2)]
-  assert launches(cfg, K=100) == [(o_bwd, False, 2), (qk, None, 1)]   # two K blocks of 64
-
-
 # The chunk_o_bwd variant that tests/test_sm90_compile.py compiles, on the GPU: K blocks of 128
 # at 8 warps, which tied the default at K = V = 128 (docs/performance.md, Training).
 O_GPU_VARIANTS = [dict(o_bk=128, o_warps=8)]
@@ -370,18 +324,8 @@ O_GPU_CASES = [Case(B=2, T=600, H=4, HV=8, K=128, V=128, M=2, dtype="bfloat16", 
                Case(B=2, T=500, H=2, HV=4, K=256, V=512, M=2, dtype="bfloat16", l2norm=True)]
 # float32 takes exact products there: under the default tf32x3 the variant's operand tiles need
 # 245760 B of shared memory (sm_90 compile), over the 232448 a block may have.
-# And dq finished by chunk_o_bwd (HV == H), with either trace form; untimed.
-DQ_GPU_VARIANTS = [dict(o_bk=128, o_warps=8, finish_dq=1),
-                   dict(o_bk=128, o_warps=8, finish_dq=1, o_sds_blocks=1)]
-DQ_GPU_CASES = [Case(B=2, T=600, H=4, HV=4, K=128, V=128, M=2, dtype="bfloat16", l2norm=True),
-                Case(B=1, T=1200, H=4, HV=4, K=128, V=128, M=3, dtype="float32", l2norm=True,
-                     varlen=(700, 0, 63, 1, 300, 130)),
-                Case(B=1, T=1200, H=4, HV=4, K=100, V=80, M=2, dtype="bfloat16",
-                     varlen=(700, 0, 63, 1, 300, 130))]
 O_GPU_PARAMS = [pytest.param(c, v, id=c.id + "-" + ",".join(f"{k}={x}" for k, x in v.items()))
-                for cases, variants in [(O_GPU_CASES, O_GPU_VARIANTS),
-                                        (DQ_GPU_CASES, DQ_GPU_VARIANTS)]
-                for c in cases for v in variants
+                for c in O_GPU_CASES for v in O_GPU_VARIANTS
                 for v in [dict(v, f32_precision="ieee") if c.dtype == "float32" else v]]
 
 

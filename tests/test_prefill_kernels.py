@@ -195,21 +195,6 @@ def test_prefill_solve_precision_gpu(precision):
   check_prefill(GPU_CASES[0], "triton", seed=2, config=pk.FwdConfig(solve_precision=precision))
 
 
-# FwdConfig.solve_diag="power8": the solve's diagonal blocks by products instead of the row
-# substitution (kernels/chunk_solve.py). Its float32 Ai is up to 25x further from the float64
-# inverse than the substitution's on near-parallel keys with beta near 2
-# (benchmarks/solve_accuracy.json); random inputs must still pass every prefill tolerance.
-@pytest.mark.parametrize("c", [CASES[3], CASES[12]], ids=lambda c: c.id)
-def test_prefill_solve_diag_power8(c):
-  check_prefill(c, KERNEL_BACKEND, seed=3, config=pk.FwdConfig(solve_diag="power8"))
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("c", GPU_CASES[:2], ids=lambda c: c.id)
-def test_prefill_solve_diag_power8_gpu(c):
-  check_prefill(c, "triton", seed=3, config=pk.FwdConfig(solve_diag="power8"))
-
-
 def test_scan_takes_float32_beta(monkeypatch):
   """The scan gets beta in float32 whatever the caller passes: it gathers one beta per row in
   every chunk of its sequential loop, and Triton pipelines that gather only at 4 bytes or more

@@ -49,22 +49,14 @@ CASES = [("prefill", "bfloat16", 256, 512, 2), ("prefill", "float32", 256, 512, 
 # Training under the chunk_o_bwd variant of BwdConfig that tied the default (only chunk_o_bwd's
 # launch differs), at the benchmark's K=V=128.
 CASES += [("train", "bfloat16", 128, 128, 16, dict(o_bk=128, o_warps=8))]
-# And with as many value heads as key heads ("train_mha": H = HV = 4), where chunk_o_bwd
-# finishes dq at o_bk >= K (finish_dq), with <S, dS> from the diagonal blocks or the whole
-# product; packed too (the zero rows past cu_seqlens[N] of dq).
-_DQ = dict(o_bk=128, o_warps=8, finish_dq=1)
-CASES += [("train_mha", "bfloat16", 128, 128, 16, _DQ),
-          ("train_mha", "bfloat16", 128, 128, 16, dict(_DQ, o_sds_blocks=1)),
-          ("train_packed", "bfloat16", 128, 128, 3, dict(_DQ, o_sds_blocks=1))]
 # float32 with exact products ("ieee", f32_precision's other value, the forward rule's too): FMA
 # loops, which compile for up to a minute per kernel (docs/performance.md, "Compile time").
 CASES += [("train", "float32", 256, 512, 2, dict(f32_precision="ieee"))]
 
 
 def _record_launches(what, dtype, K, V, N, bwd=None):
-  """The launches one call makes, as jax-triton would compile them (not run); for "train",
-  "train_mha" (H = HV) and "train_packed", bwd: BwdConfig overrides (None: the public entry
-  point, which takes the default)."""
+  """The launches one call makes, as jax-triton would compile them (not run); for "train", bwd:
+  BwdConfig overrides (None: the public entry point, which takes the default)."""
   import jax
   import jax.numpy as jnp
   import gdp_jax
@@ -83,8 +75,6 @@ def _record_launches(what, dtype, K, V, N, bwd=None):
   _backends.resolve = lambda backend: "triton"
   dt = jnp.dtype(dtype)
   H, HV, M, S = 2, 4, 2, 16
-  if what == "train_mha":
-    what, H = "train", HV
   f32 = jnp.float32
   sds = jax.ShapeDtypeStruct
   T = 2200 if N == 1 else 300   # 69 expanded chunks at M = 2: two pieces of 64
@@ -124,7 +114,7 @@ def _record_launches(what, dtype, K, V, N, bwd=None):
     def loss(q, k, v, g, beta, cu):
       o, _ = gdp_jax.chunk_gated_delta_product(
           q, k, v, g, beta, num_householder=M, cu_seqlens=cu, use_qk_l2norm_in_kernel=True,
-          backend="triton", bwd_config=_prefill_bwd.BwdConfig(**bwd) if bwd else None)
+          backend="triton")
       return jnp.sum(o.astype(f32))
 
     run = jax.grad(loss, argnums=tuple(range(5)))
