@@ -49,7 +49,9 @@ $OUT/decode.json as soon as it exists, tables go to stdout):
    N = 1, 8, 32, 256 (HV = 16, D = 1), beside fla-core's 64 steps in one CUDA graph, the second
    backend's final state compared bit for bit with the first's; the same for a trivial kernel
    (us per launch); at N = 1 and 8 where a step's time goes (kernels, idle between them inside
-   the call, outside it); and one prefill call, forward and forward+backward, kernel by kernel,
+   the call, outside it, and the device span per step over 20 back-to-back calls: the measure
+   fla-core's CUDA-graph time is); `--launch-configs` adds unrolled rows under other kernel
+   configs; and one prefill call, forward and forward+backward, kernel by kernel,
    to see whether XLA's Triton compiles a kernel slower than pip's.
 
 `--cpu-smoke` runs the same code at tiny shapes through Triton's interpreter, without torch
@@ -92,6 +94,9 @@ def parse_args():
                       "(any subset; the rest keep these defaults)")
   p.add_argument("--replay-ds", default="4,1,2,8",
                  help="draft lengths D of the replay rows (N = 256, HV = 16), in this order")
+  p.add_argument("--launch-configs", default="",
+                 help="extra kernel configs for the launch part's unrolled rows, as "
+                      "BVxWARPSxSTAGES items, comma-separated (e.g. 16x2x1)")
   p.add_argument("--replay-configs", default="",
                  help="extra kernel configs for the replay rows, as BVxWARPSxSTAGES items, "
                       "comma-separated (e.g. 8x1x1,16x1x2); each adds a timed replay row per D")
@@ -562,15 +567,16 @@ LAUNCH_STEPS = 64           # steps per jitted call (fori_loop or unrolled) and 
 LAUNCH_BACKENDS = ("triton", "xla_triton")
 
 
-def launch_steps_fn(b, backend, steps, loop):
+def launch_steps_fn(b, backend, steps, loop, config=None):
   """A jitted function running `steps` decode steps (HV, K, V, M of the bench, D = 1) with the
-  cache donated: in a lax.fori_loop (loop "fori") or unrolled (loop "unrolled")."""
+  cache donated: in a lax.fori_loop (loop "fori") or unrolled (loop "unrolled"); `config`
+  overrides the kernel's DecodeConfig (None: the library's)."""
   jax, jnp, gdp_jax, M = b.jax, b.jnp, b.gdp_jax, b.M
 
   def step(state, x, slots):
     return gdp_jax.gated_delta_product_decode(
         x["q"], x["k"], x["v"], x["g"], x["beta"], num_householder=M, state=state,
-        state_indices=slots, use_qk_l2norm_in_kernel=True, backend=backend)
+        state_indices=slots, use_qk_l2norm_in_kernel=True, backend=backend, config=config)
 
   def f(state, x, slots):
     if loop == "fori":
@@ -657,13 +663,13 @@ def launch_row(b, row, bits):
     fla_step = b.fla_step_fn(x, state, slots)
     row["us"] = common.time_torch_graph(fla_step, steps=steps) * 1e3
     return
-  fn = launch_steps_fn(b, backend, steps, loop)
+  fn = launch_steps_fn(b, backend, steps, loop, launch_config(b, row))
   _, new_state = fn(jnp.copy(state), x, slots)
   if loop == "call":
     ref_o, ref_state = b.reference(x, state, slots, None)
     row["err_ref"] = common.rel_err(new_state[slots], ref_state[slots])
   as_bits = lambda a: b.jax.lax.bitcast_convert_type(a, jnp.uint32)
-  other = bits.setdefault((N, loop), {})
+  other = bits.setdefault((N, loop, row.get("cfg")), {})
   for name, s in other.items():
     row[f"same_bits_as_{name}"] = bool(jnp.all(as_bits(new_state) == as_bits(s)))
   other[backend] = new_state
@@ -672,17 +678,33 @@ def launch_row(b, row, bits):
   row["spread"] = t["spread"]
 
 
+def launch_config(b, row):
+  """The row's DecodeConfig override ("BVxWARPSxSTAGES" in row["cfg"]), or None."""
+  if not row.get("cfg"):
+    return None
+  BV, w, ns = (int(a) for a in row["cfg"].split("x"))
+  return b.configs.DecodeConfig(BV=BV, num_warps=w, num_stages=ns)
+
+
+PROFILE_CALLS = 20  # back-to-back calls in the device-span profile, as fla's 20 graph replays
+
+
 def launch_profile_row(b, row):
   """Where one jitted small-batch step spends its time (us per step, CUPTI through
   jax.profiler): kernels (device busy), idle between them inside the call (each launch's host
   latency, the loop's own work), and outside the call (dispatching the jitted program, shared
-  by its steps), the wall time per step from back-to-back calls."""
+  by its steps), the wall time per step from back-to-back calls. device_us is the device's span
+  over PROFILE_CALLS back-to-back calls per step, gaps between calls included: the measure
+  fla-core's CUDA-graph time is (CUDA events around 20 replays), so the two compare directly;
+  the wall time also holds the host's jitter."""
   jnp = b.jnp
   N, backend, loop, steps = row["N"], row["backend"], row["loop"], row["steps"]
   HV = 2 if b.smoke else 16
   x, state, slots, _ = b.inputs(N, HV, 1, N, seed=13)
-  fn = launch_steps_fn(b, backend, steps, loop)
+  fn = launch_steps_fn(b, backend, steps, loop, launch_config(b, row))
   t = common.time_jax(launch_chain(fn, jnp.copy(state), x, slots))
+  many = common.profile_jax(launch_chain(fn, jnp.copy(state), x, slots), calls=PROFILE_CALLS)
+  row["device_us"] = many["span_us"] / (PROFILE_CALLS * steps)
   prof = common.profile_jax(launch_chain(fn, state, x, slots))
   row["wall_us"] = t["ms"] * 1e3 / steps
   row["kernel_us"] = prof["busy_us"] / steps
@@ -724,8 +746,9 @@ def launch_prefill_row(b, row):
   common.print_profile(f"prefill {row['what']} {backend} B={B} T={T} H={H} K={K} M={M}", prof)
 
 
-def launch_part(b, results, budget):
-  """Section 7: launch cost tables (see the block comment above)."""
+def launch_part(b, results, budget, cfgs=()):
+  """Section 7: launch cost tables (see the block comment above); `cfgs` ("BVxWARPSxSTAGES")
+  add unrolled rows under other kernel configs."""
   backends = ("interpret",) if b.smoke else LAUNCH_BACKENDS
   steps = 2 if b.smoke else LAUNCH_STEPS
   Ns = (1, 2) if b.smoke else (1, 8, 32, 256)
@@ -736,6 +759,8 @@ def launch_part(b, results, budget):
   for N in Ns:
     plan += [dict(kernel="decode", N=N, backend=be, loop=lp, steps=1 if lp == "call" else steps)
              for lp in ("fori", "unrolled", "call") for be in backends]
+    plan += [dict(kernel="decode", N=N, backend=be, loop="unrolled", steps=steps, cfg=c)
+             for c in cfgs for be in backends]
     if b.fla is not None:
       plan.append(dict(kernel="decode", N=N, backend="fla", loop="cuda_graph", steps=steps))
   for row in plan:
@@ -747,6 +772,10 @@ def launch_part(b, results, budget):
                           dict(N=N, backend=be, loop=lp, steps=steps),
                           lambda r: launch_profile_row(b, r), budget)
            for N in Ns[:2] for be in backends for lp in ("fori", "unrolled")]
+  prows += [common.run_row(results, "launch_profile",
+                           dict(N=N, backend=be, loop="unrolled", steps=steps, cfg=c),
+                           lambda r: launch_profile_row(b, r), budget)
+            for N in Ns[:2] for be in backends for c in cfgs]
   common.print_table("where a jitted step's time goes (us per step)", prows,
                      LAUNCH_PROFILE_COLS)
 
@@ -769,13 +798,13 @@ def launch_part(b, results, budget):
 
 LAUNCH_COLS = [
     ("kernel", "kernel", ""), ("N", "N", "d"), ("backend", "backend", ""), ("loop", "loop", ""),
-    ("us", "us", ".2f"), ("spread", "spr", ".2f"), ("err_ref", "err_ref", ".1e"),
+    ("cfg", "cfg", ""), ("us", "us", ".2f"), ("spread", "spr", ".2f"), ("err_ref", "err_ref", ".1e"),
     ("err", "err", ".1e"), ("same_bits_as_triton", "bits=triton", ""),
     ("row_s", "row_s", ".1f"),
 ]
 LAUNCH_PROFILE_COLS = [
-    ("N", "N", "d"), ("backend", "backend", ""), ("loop", "loop", ""),
-    ("wall_us", "wall", ".2f"), ("kernel_us", "kernels", ".2f"), ("idle_us", "idle_in_call", ".2f"),
+    ("N", "N", "d"), ("backend", "backend", ""), ("loop", "loop", ""), ("cfg", "cfg", ""),
+    ("wall_us", "wall", ".2f"), ("device_us", "device", ".2f"), ("kernel_us", "kernels", ".2f"), ("idle_us", "idle_in_call", ".2f"),
     ("outside_us", "outside_call", ".2f"),
 ]
 LAUNCH_PREFILL_COLS = [
@@ -951,7 +980,7 @@ def main():
 
     # 7. Launch cost per launch backend (--parts launch).
     if "launch" in parts:
-      launch_part(b, results, budget)
+      launch_part(b, results, budget, list(filter(None, args.launch_configs.split(","))))
   except KeyboardInterrupt:
     results.set_meta(interrupted=True)
     print("[decode] interrupted; partial results saved")
