@@ -49,9 +49,8 @@ $OUT/decode.json as soon as it exists, tables go to stdout):
    N = 1, 8, 32, 256 (HV = 16, D = 1), beside fla-core's 64 steps in one CUDA graph, the second
    backend's final state compared bit for bit with the first's; the same for a trivial kernel
    (us per launch); at N = 1 and 8 where a step's time goes (kernels, idle between them inside
-   the call, outside it, and the device span per step over 20 back-to-back calls: the measure
-   fla-core's CUDA-graph time is); `--launch-configs` adds unrolled rows under other kernel
-   configs; and one prefill call, forward and forward+backward, kernel by kernel,
+   the call, outside it); `--launch-configs` adds unrolled rows under other kernel configs; and
+   one prefill call, forward and forward+backward, kernel by kernel,
    to see whether XLA's Triton compiles a kernel slower than pip's.
 
 `--cpu-smoke` runs the same code at tiny shapes through Triton's interpreter, without torch
@@ -686,25 +685,17 @@ def launch_config(b, row):
   return b.configs.DecodeConfig(BV=BV, num_warps=w, num_stages=ns)
 
 
-PROFILE_CALLS = 20  # back-to-back calls in the device-span profile, as fla's 20 graph replays
-
-
 def launch_profile_row(b, row):
   """Where one jitted small-batch step spends its time (us per step, CUPTI through
   jax.profiler): kernels (device busy), idle between them inside the call (each launch's host
   latency, the loop's own work), and outside the call (dispatching the jitted program, shared
-  by its steps), the wall time per step from back-to-back calls. device_us is the device's span
-  over PROFILE_CALLS back-to-back calls per step, gaps between calls included: the measure
-  fla-core's CUDA-graph time is (CUDA events around 20 replays), so the two compare directly;
-  the wall time also holds the host's jitter."""
+  by its steps), the wall time per step from back-to-back calls."""
   jnp = b.jnp
   N, backend, loop, steps = row["N"], row["backend"], row["loop"], row["steps"]
   HV = 2 if b.smoke else 16
   x, state, slots, _ = b.inputs(N, HV, 1, N, seed=13)
   fn = launch_steps_fn(b, backend, steps, loop, launch_config(b, row))
   t = common.time_jax(launch_chain(fn, jnp.copy(state), x, slots))
-  many = common.profile_jax(launch_chain(fn, jnp.copy(state), x, slots), calls=PROFILE_CALLS)
-  row["device_us"] = many["span_us"] / (PROFILE_CALLS * steps)
   prof = common.profile_jax(launch_chain(fn, state, x, slots))
   row["wall_us"] = t["ms"] * 1e3 / steps
   row["kernel_us"] = prof["busy_us"] / steps
@@ -804,7 +795,7 @@ LAUNCH_COLS = [
 ]
 LAUNCH_PROFILE_COLS = [
     ("N", "N", "d"), ("backend", "backend", ""), ("loop", "loop", ""), ("cfg", "cfg", ""),
-    ("wall_us", "wall", ".2f"), ("device_us", "device", ".2f"), ("kernel_us", "kernels", ".2f"), ("idle_us", "idle_in_call", ".2f"),
+    ("wall_us", "wall", ".2f"), ("kernel_us", "kernels", ".2f"), ("idle_us", "idle_in_call", ".2f"),
     ("outside_us", "outside_call", ".2f"),
 ]
 LAUNCH_PREFILL_COLS = [

@@ -314,16 +314,17 @@ def launch_section(rows, meta) -> list[str]:
     if r.get("backend") == "fla":  # one CUDA-graph time per N, beside each of its lines
       fla[r.get("N")] = r.get("us")
       continue
-    key = (r.get("kernel"), r.get("N"), r.get("loop"))
+    key = (r.get("kernel"), r.get("N"), r.get("loop"), r.get("cfg"))
     if key not in cells:
       cells[key] = {}
       order.append(key)
     cells[key][r.get("backend")] = r
   lines = []
-  for kernel, N, loop in order:
-    c = cells[(kernel, N, loop)]
+  for kernel, N, loop, cfg in order:
+    c = cells[(kernel, N, loop, cfg)]
     us = lambda b: (c.get(b) or {}).get("us")
     lines.append({"kernel": kernel, "N": N if kernel != "bump" else None, "loop": loop,
+                  "cfg": cfg,
                   "triton": us("triton"), "xla_triton": us("xla_triton"),
                   "fla": fla.get(N) if kernel == "decode" else None,
                   "ratio": ratio(us("xla_triton"), us("triton")),
@@ -331,7 +332,7 @@ def launch_section(rows, meta) -> list[str]:
   steps = meta.get("launch_steps")
   out = table(lines, [
       ("kernel", "kernel", None), ("N", "N", "d"), ("loop", "loop", None),
-      ("triton us", "triton", ".2f"), ("xla_triton us", "xla_triton", ".2f"),
+      ("config", "cfg", None), ("triton us", "triton", ".2f"), ("xla_triton us", "xla_triton", ".2f"),
       ("xla_triton / triton", "ratio", ".2f"), ("fla-core CUDA graph us", "fla", ".2f"),
       ("same bits", "bits", None),
   ])
@@ -339,7 +340,8 @@ def launch_section(rows, meta) -> list[str]:
           "jit: a `lax.fori_loop`, or unrolled; `call` is one step per jitted call from Python), "
           "per launch for the trivial kernel `bump`; HV = 16, D = 1, the cache donated. fla-core's "
           "step is replayed from a CUDA graph of as many steps. `same "
-          "bits`: the state after the steps under xla_triton equals triton's bit for bit."]
+          "bits`: the state after the steps under xla_triton equals triton's bit for bit. "
+          "`config`: a DecodeConfig other than the library's, as BV x warps x stages."]
   return out
 
 
