@@ -52,8 +52,9 @@ def decode_config(K: int, V: int) -> DecodeConfig:
 
 
 def replay_block_rows(T: int, K: int, config: DecodeConfig, dtypes) -> int:
-  """Rows BT of the replay step's block form for its T new steps (the kernel's W holds 2 BT:
-  keys, then queries), or 0 for the token loop; dtypes: those of q, k and v.
+  """Steps BT per block of the replay step's block form for its T new steps (the kernel's W
+  holds 2 BT rows: keys, then queries; two blocks past BT), or 0 for the token loop; dtypes:
+  those of q, k and v.
 
   The block form runs its two products over K as bfloat16 tensor-core dots (docs/performance.md,
   decode step), so it needs bfloat16 queries, keys and values (the outputs' dtype: they leave
@@ -61,12 +62,13 @@ def replay_block_rows(T: int, K: int, config: DecodeConfig, dtypes) -> int:
   and next_pow2(K) >= 16. float32 inputs keep the token loop: a float32 dot spilled beside the
   state tile (measured). float16 inputs too: the checkpoint rounded to float16 would overflow
   past 65504, and float16 keys rounded to bfloat16 would lose 3 bits. Compiled for sm_90 at
-  K = V = 128 it takes 127 registers, as the token loop's 128, only within these bounds: at
-  T = 16 (W [32, K]) 180, and at K = 256 (two warps, each holding all of W) 167.
+  K = V = 128 one block takes 124 to 128 registers, as the token loop's 128; two (9 to 16
+  steps: D = 8 at M = 2) 150 to 168, against 180 for one block of 16; K = 256 (two warps, each
+  holding all of W) 167, so it keeps the token loop.
   """
   one_warp = config.num_warps == 1 and _next_pow2(K) * config.BV <= 2048
   bf16 = all(str(d) == "bfloat16" for d in dtypes)
-  if not (bf16 and 0 < T <= 8 and config.BV >= 16 and _next_pow2(K) >= 16 and one_warp):
+  if not (bf16 and 0 < T <= 16 and config.BV >= 16 and _next_pow2(K) >= 16 and one_warp):
     return 0
   return 8
 

@@ -171,6 +171,7 @@ def _fused_recurrent_fwd(q, k, v, g, beta, *, dims, backend, config, scale, init
       jax.ShapeDtypeStruct(intermediate_states.shape if has_inter else (1,),
                            intermediate_states.dtype if has_inter else f32),
   )
+  block = _configs.replay_block_rows(T, K, config, (q.dtype, k.dtype, v.dtype)) if replay else 0
   aliases = {}
   if has_state:
     aliases[6] = 2
@@ -190,7 +191,7 @@ def _fused_recurrent_fwd(q, k, v, g, beta, *, dims, backend, config, scale, init
       HAS_STATE=has_state, HAS_STATE_INDICES=state_indices is not None,
       STORE_INTERMEDIATE=has_inter, IS_VARLEN=cu_seqlens is not None,
       HAS_NUM_ACCEPTED=num_accepted is not None and not replay, HAS_REPLAY=replay,
-      BT=_configs.replay_block_rows(T, K, config, (q.dtype, k.dtype, v.dtype)) if replay else 0)
+      BT=block, NC=-(-T // block) if block else 1)
   if replay:
     return o, new_state
   if cu_seqlens is not None:
@@ -246,7 +247,7 @@ def gated_delta_product_decode(q, k, v, g, beta, *, num_householder, state, stat
       nothing), then runs its D draft tokens from there, writing outputs only: one state read
       and one write per step whatever D. The new ring holds this step's k, v, g, beta (cast to
       the ring's dtypes) at the live slots; `commit_replay` folds accepted tokens into the
-      cache when speculation ends. With bfloat16 q, k, v and D*M <= 8 the new tokens' outputs
+      cache when speculation ends. With bfloat16 q, k, v and D*M <= 16 the new tokens' outputs
       come from a bfloat16 copy of the checkpoint (block form, docs/api.md): within bf16
       rounding of commit_replay followed by the plain step, not bitwise.
     scale: query scale; None means K ** -0.5.

@@ -98,7 +98,8 @@ def fused_recurrent_fwd_kernel(
     IS_VARLEN: tl.constexpr,
     HAS_NUM_ACCEPTED: tl.constexpr,
     HAS_REPLAY: tl.constexpr,
-    BT: tl.constexpr,       # > 0: the replay step's new tokens in block form, BT >= T rows
+    BT: tl.constexpr,       # > 0: the replay step's new tokens in block form, BT steps a block
+    NC: tl.constexpr,       # blocks: cdiv(T, BT), 1 or 2
 ):
   i_v, i_n, i_hv, i_h = decode_program(triton.cdiv(V, BV), HV, H)
 
@@ -181,7 +182,8 @@ def fused_recurrent_fwd_kernel(
 
   if BT > 0:
     replay_new_tokens(b_h, q, k, v, g, beta, o, bos, T, scale, i_h, i_hv, o_k, o_v, mask_k,
-                      mask_v, H, HV, K, V, BT, USE_G, USE_BETA, IS_BETA_HEADWISE, USE_QK_L2NORM)
+                      mask_v, H, HV, K, V, BT, NC, USE_G, USE_BETA, IS_BETA_HEADWISE,
+                      USE_QK_L2NORM)
     return
 
   for s in range(0, eos - bos):
@@ -224,47 +226,70 @@ def fused_recurrent_fwd_kernel(
 @triton.jit
 def replay_new_tokens(b_h, q, k, v, g, beta, o, bos, T, scale, i_h, i_hv, o_k, o_v, mask_k,
                       mask_v, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
-                      V: tl.constexpr, BT: tl.constexpr, USE_G: tl.constexpr,
+                      V: tl.constexpr, BT: tl.constexpr, NC: tl.constexpr, USE_G: tl.constexpr,
                       USE_BETA: tl.constexpr, IS_BETA_HEADWISE: tl.constexpr,
                       USE_QK_L2NORM: tl.constexpr):
   """The outputs of the replay step's T new steps from the checkpoint b_h, in block (WY) form
-  (docs/algorithm.md §13.4): no state after the checkpoint is needed, so only the [T, BV]
-  forward substitution is serial, and the two products over K run on bfloat16 tensor cores.
+  (docs/algorithm.md §13.4), in NC blocks of BT steps (NC = 1 or 2): no state after the
+  checkpoint is needed, so only a [2 BT, BV] forward substitution per block is serial, and the
+  products over K run on bfloat16 tensor cores. S0 = b_h rounded to bfloat16 once: the outputs
+  leave in bfloat16, and the checkpoint was stored from b_h before this."""
+  b_s = b_h.to(tl.bfloat16)
+  b_d, b_r, b_gc, g_end = replay_block(
+      b_s, q, k, v, g, beta, o, bos, 0, tl.minimum(T, BT), scale, i_h, i_hv, o_k, o_v, mask_k,
+      mask_v, None, None, None, 0., H, HV, K, V, BT, False, USE_G, USE_BETA, IS_BETA_HEADWISE,
+      USE_QK_L2NORM)
+  if NC > 1:
+    replay_block(b_s, q, k, v, g, beta, o, bos, BT, T - BT, scale, i_h, i_hv, o_k, o_v, mask_k,
+                 mask_v, b_d, b_r, b_gc, g_end, H, HV, K, V, BT, True, USE_G, USE_BETA,
+                 IS_BETA_HEADWISE, USE_QK_L2NORM)
 
-  With G_s the inclusive cumsum of g, S0 = b_h and c_sr = exp(G_s - G_r), the token loop's
+
+@triton.jit
+def replay_block(b_s, q, k, v, g, beta, o, bos, c0, n, scale, i_h, i_hv, o_k, o_v, mask_k,
+                 mask_v, b_dp, b_rp, b_gp, g0, H: tl.constexpr, HV: tl.constexpr,
+                 K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, HAS_PREV: tl.constexpr,
+                 USE_G: tl.constexpr, USE_BETA: tl.constexpr, IS_BETA_HEADWISE: tl.constexpr,
+                 USE_QK_L2NORM: tl.constexpr):
+  """Steps c0 .. c0+n-1 (n <= BT) of the new tokens from the checkpoint S0 = b_s (bfloat16).
+
+  With G_s the inclusive cumsum of g from the first new step and c_sr = exp(G_s - G_r), the
+  token loop's
   d_s = beta_s (v_s - exp(G_s) S0^T k_s - sum_{r<s} c_sr (k_s.k_r) d_r),
   o_s = scale (exp(G_s) S0^T q_s + sum_{r<=s} c_sr (q_s.k_r) d_r).
-  Rows i of the [2 BT] block W: i < BT is step i's key, BT + s is step s's query; past T, zero.
-  W S0 and W W^T are bfloat16 dots (S0 rounded to bfloat16, float32 accumulation): the outputs
-  leave in bfloat16, and the checkpoint was stored from b_h before this.
+  Rows i of the [2 BT] block W: i < BT is step c0+i's key, BT + s is step c0+s's query; past
+  n, zero. W S0 and W W^T are bfloat16 dots (float32 accumulation). HAS_PREV: the steps r
+  before c0 are the previous block's, whose d_r (b_dp, key rows), key norms (b_rp) and G_r
+  (b_gp) it returned; g0 is its G at its end. Returns the same for this block.
   """
   o_i = tl.arange(0, 2 * BT)
+  o_j = tl.arange(0, 2 * BT)
   s_i = o_i % BT
   is_k = o_i < BT
-  live = s_i < T
-  t_i = bos + s_i
+  live = s_i < n
+  t_i = bos + c0 + s_i
   p_w = (t_i * H + i_h)[:, None] * K + o_k[None, :]
   m_w = live[:, None] & mask_k[None, :]
   b_w = tl.where(is_k[:, None], tl.load(k + p_w, mask=m_w & is_k[:, None], other=0.),
                  tl.load(q + p_w, mask=m_w & ~is_k[:, None], other=0.))
-  b_x = tl.dot(b_w, b_h.to(tl.bfloat16))              # [2 BT, BV]: S0^T k_s, S0^T q_s
+  b_x = tl.dot(b_w, b_s)                              # [2 BT, BV]: S0^T k_s, S0^T q_s
   b_a = tl.dot(b_w, tl.trans(b_w))                    # [2 BT, 2 BT]: k_s.k_r, q_s.k_r
-  o_j = tl.arange(0, 2 * BT)
+  b_r = tl.full([2 * BT], 1., tl.float32)
   if USE_QK_L2NORM:
     # The rows' norms from the diagonal of the Gram matrix, applied to the products: a float32
     # copy of W to normalise cost 15 registers (143 against 128, sm_90), and the dots keep
     # the inputs' own bits.
     diag = o_i[:, None] == o_j[None, :]
     r_i = 1. / tl.sqrt(tl.sum(tl.where(diag, b_a, 0.), 1) + 1e-6)
-    r_j = 1. / tl.sqrt(tl.sum(tl.where(diag, b_a, 0.), 0) + 1e-6)
+    b_r = 1. / tl.sqrt(tl.sum(tl.where(diag, b_a, 0.), 0) + 1e-6)
     b_x *= r_i[:, None]
-    b_a *= r_i[:, None] * r_j[None, :]
+    b_a *= r_i[:, None] * b_r[None, :]
 
-  # G_i: the decays of steps 0..s_i, summed over the key rows.
+  # G_i: the decays of the new steps up to c0 + s_i, summed over the key rows.
   b_gk = tl.zeros([2 * BT], dtype=tl.float32)
   if USE_G:
-    b_gk = tl.load(g + (bos + o_j) * HV + i_hv, mask=o_j < T, other=0.)
-  b_gc = tl.sum(tl.where(o_j[None, :] <= s_i[:, None], b_gk[None, :], 0.), 1)
+    b_gk = tl.load(g + (bos + c0 + o_j) * HV + i_hv, mask=o_j < n, other=0.)
+  b_gc = g0 + tl.sum(tl.where(o_j[None, :] <= s_i[:, None], b_gk[None, :], 0.), 1)
   # Row i takes key column r < s_i (a key row) or r <= s_i (a query row); key rows enter with
   # a minus sign (the residual), query rows with the scale.
   causal = o_j[None, :] < tl.where(is_k, s_i, s_i + 1)[:, None]
@@ -277,12 +302,25 @@ def replay_new_tokens(b_h, q, k, v, g, beta, o, bos, T, scale, i_h, i_hv, o_k, o
   m_v = (is_k & live)[:, None] & mask_v[None, :]
   b_u = tl.load(v + p_v, mask=m_v, other=0.).to(tl.float32)
   b_u += (f_i * tl.exp(b_gc))[:, None] * b_x
+  if HAS_PREV:
+    # The previous block's steps r, all before this block's: their keys reloaded (a Gram
+    # block against this block's rows), their d_r added column by column.
+    p_p = ((bos + c0 - BT + s_i) * H + i_h)[:, None] * K + o_k[None, :]
+    b_wp = tl.load(k + p_p, mask=is_k[:, None] & mask_k[None, :], other=0.)
+    b_ap = tl.dot(b_w, tl.trans(b_wp))
+    if USE_QK_L2NORM:
+      b_ap *= r_i[:, None] * b_rp[None, :]
+    b_cp = f_i[:, None] * tl.exp(tl.where(o_j[None, :] < BT, b_gc[:, None] - b_gp[None, :],
+                                          0.)) * b_ap
+    for r in tl.static_range(BT):
+      b_dr = tl.sum(tl.where(o_i[:, None] == r, b_dp, 0.), 0)
+      b_u += tl.sum(tl.where(o_j[None, :] == r, b_cp, 0.), 1)[:, None] * b_dr[None, :]
   if USE_BETA:
     if IS_BETA_HEADWISE:
       b_b = tl.load(beta + t_i * HV + i_hv, mask=is_k & live, other=0.).to(tl.float32)[:, None]
     else:
       b_b = tl.load(beta + p_v, mask=m_v, other=0.).to(tl.float32)
-  for s in range(0, T):
+  for s in range(0, n):
     row = o_i[:, None] == s
     if USE_BETA:
       b_d = tl.sum(tl.where(row, b_b * b_u, 0.), 0)
@@ -292,3 +330,6 @@ def replay_new_tokens(b_h, q, k, v, g, beta, o, bos, T, scale, i_h, i_hv, o_k, o
     b_u += b_cs[:, None] * b_d[None, :]
   tl.store(o + p_v, b_u.to(o.dtype.element_ty),
            mask=(~is_k & live)[:, None] & mask_v[None, :])
+  if USE_BETA:
+    b_u *= b_b
+  return tl.where(is_k[:, None], b_u, 0.), b_r, b_gc, g0 + tl.sum(b_gk, 0)

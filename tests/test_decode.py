@@ -430,9 +430,12 @@ REPLAY_CASES = SPEC_CASES + [(3, 2, 3, 1, 1, 8, 16, 4, "float32"),
                 # The new tokens in block form (bfloat16, BV 16): 8 steps (W full), then 6 with
                 # K = 20 (a masked dot) and 2 V blocks, then 3 with 4 value heads on 2 key heads.
                 (3, 4, 2, 1, 2, 16, 16, 5, "bfloat16"), (2, 3, 2, 1, 1, 20, 32, 3, "bfloat16"),
-                (3, 3, 1, 2, 4, 16, 16, 4, "bfloat16")]
-# The GPU replay cases: the snapshot step's, and the benchmark's shape in bfloat16 (block form).
-REPLAY_GPU_CASES = SPEC_GPU_CASES + [(64, 4, 2, 16, 32, 128, 128, 80, "bfloat16")]
+                (3, 3, 1, 2, 4, 16, 16, 4, "bfloat16"),
+                (2, 5, 2, 1, 2, 16, 16, 4, "bfloat16")]  # 10 steps: a block of 8, one of 2
+# The GPU replay cases: the snapshot step's, and the benchmark's shape in bfloat16 (block form:
+# one block at D = 4, two at D = 8).
+REPLAY_GPU_CASES = SPEC_GPU_CASES + [(64, 4, 2, 16, 32, 128, 128, 80, "bfloat16"),
+                                     (64, 8, 2, 16, 32, 128, 128, 80, "bfloat16")]
 
 
 @pytest.mark.parametrize("case", REPLAY_CASES, ids=_case_id)
@@ -451,19 +454,20 @@ def test_fused_recurrent_replay(spt, beta, l2norm):
   check_fused_recurrent_replay(spt, beta, l2norm, "float32", V=8)
 
 
-@pytest.mark.parametrize("spt,beta,l2norm", [(1, "elem", True), (2, "head", False)])
-def test_fused_recurrent_replay_block_form(spt, beta, l2norm):
-  """bfloat16 inputs at BV 16: the new steps' outputs in block form."""
-  assert _configs.replay_block_rows(4, 16, _configs.decode_config(16, 16), ["bfloat16"] * 3)
-  check_fused_recurrent_replay(spt, beta, l2norm, "bfloat16", V=16)
+@pytest.mark.parametrize("spt,beta,l2norm,T", [(1, "elem", True, 4), (2, "head", False, 4),
+                                               (1, "elem", True, 12)])
+def test_fused_recurrent_replay_block_form(spt, beta, l2norm, T):
+  """bfloat16 inputs at BV 16: the new steps' outputs in block form (12 steps: two blocks)."""
+  assert _configs.replay_block_rows(T, 16, _configs.decode_config(16, 16), ["bfloat16"] * 3)
+  check_fused_recurrent_replay(spt, beta, l2norm, "bfloat16", V=16, T=T)
 
 
-def check_fused_recurrent_replay(spt, beta, l2norm, dtype, V):
+def check_fused_recurrent_replay(spt, beta, l2norm, dtype, V, T=4):
   """The fused recurrent entry point with a ring (g per recurrence step, element-wise beta)
   against its reference twin, then commit_replay of the new ring; slot -1 is padding. Ring
   and inputs in `dtype` (g float32); the checkpoints are float32 sums of the same rounded
   rows, so they meet float32's tolerance whatever the dtype."""
-  B, T, H, HV, K, S = 3, 4, 1, 2, 16, 5
+  B, H, HV, K, S = 3, 1, 2, 16, 5
   rng = np.random.default_rng(spt)
   unit = lambda x: x / np.linalg.norm(x, axis=-1, keepdims=True)
   bshape = lambda lead: lead + ((HV, V) if beta == "elem" else (HV,))
