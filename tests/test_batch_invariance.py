@@ -89,9 +89,11 @@ def test_replay_batch_invariance():
   check_decode_invariance(5, (0, 3), 3, 2, 1, 2, 8, 24, "float32", KERNEL_BACKEND, replay=True)
 
 
-def test_replay_block_form_batch_invariance():
-  """bfloat16 at BV 16 (two V blocks): the new tokens' outputs in block form."""
-  check_decode_invariance(5, (0, 3), 3, 2, 1, 2, 16, 32, "bfloat16", KERNEL_BACKEND,
+@pytest.mark.parametrize("D", [3, 6])
+def test_replay_block_form_batch_invariance(D):
+  """bfloat16 at BV 16 (two V blocks): the new tokens' outputs in block form (D = 6 at M = 2:
+  two blocks)."""
+  check_decode_invariance(5, (0, 3), D, 2, 1, 2, 16, 32, "bfloat16", KERNEL_BACKEND,
                           replay=True)
 
 
@@ -113,8 +115,9 @@ def test_replay_batch_invariance_gpu(N):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("N", [2, 64, 256])
-def test_replay_block_form_batch_invariance_gpu(N):
-  check_decode_invariance(N, sorted({0, N // 2, N - 1}), 4, 2, 16, 16, 128, 128, "bfloat16",
+@pytest.mark.parametrize("D", [4, 8])
+def test_replay_block_form_batch_invariance_gpu(N, D):
+  check_decode_invariance(N, sorted({0, N // 2, N - 1}), D, 2, 16, 16, 128, 128, "bfloat16",
                           "triton", replay=True)
 
 
