@@ -689,13 +689,23 @@ def launch_profile_row(b, row):
   """Where one jitted small-batch step spends its time (us per step, CUPTI through
   jax.profiler): kernels (device busy), idle between them inside the call (each launch's host
   latency, the loop's own work), and outside the call (dispatching the jitted program, shared
-  by its steps), the wall time per step from back-to-back calls."""
-  jnp = b.jnp
+  by its steps), the wall time per step from back-to-back calls, and the host's own share:
+  the time until a call returns with nothing queued before it (a step whose dispatch exceeds
+  its kernel time is host-bound whatever the device does)."""
+  jax, jnp, np = b.jax, b.jnp, b.np
   N, backend, loop, steps = row["N"], row["backend"], row["loop"], row["steps"]
   HV = 2 if b.smoke else 16
   x, state, slots, _ = b.inputs(N, HV, 1, N, seed=13)
   fn = launch_steps_fn(b, backend, steps, loop, launch_config(b, row))
   t = common.time_jax(launch_chain(fn, jnp.copy(state), x, slots))
+  chain, dispatch = launch_chain(fn, jnp.copy(state), x, slots), []
+  for _ in range(3 if b.smoke else 20):
+    jax.block_until_ready(chain())
+    t0 = time.perf_counter()
+    out = chain()
+    dispatch.append(time.perf_counter() - t0)
+  jax.block_until_ready(out)
+  row["dispatch_us"] = float(np.median(dispatch)) * 1e6 / steps
   prof = common.profile_jax(launch_chain(fn, state, x, slots))
   row["wall_us"] = t["ms"] * 1e3 / steps
   row["kernel_us"] = prof["busy_us"] / steps
@@ -796,7 +806,7 @@ LAUNCH_COLS = [
 LAUNCH_PROFILE_COLS = [
     ("N", "N", "d"), ("backend", "backend", ""), ("loop", "loop", ""), ("cfg", "cfg", ""),
     ("wall_us", "wall", ".2f"), ("kernel_us", "kernels", ".2f"), ("idle_us", "idle_in_call", ".2f"),
-    ("outside_us", "outside_call", ".2f"),
+    ("outside_us", "outside_call", ".2f"), ("dispatch_us", "dispatch", ".2f"),
 ]
 LAUNCH_PREFILL_COLS = [
     ("what", "what", ""), ("backend", "backend", ""), ("B", "B", "d"), ("T", "T", "d"),
