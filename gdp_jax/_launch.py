@@ -10,7 +10,8 @@ to one of three backends, same grid, same arguments, same output shapes:
   (gdp_jax/_launch_interpret.py).
 
 What holds for every backend lives here: the argument checks, the typing of scalars, an empty
-grid that launches nothing, and the rule that a launch is not differentiable.
+grid that launches nothing, the rule that a launch is not differentiable, and its batching
+under `jax.vmap` (one launch per element).
 """
 from __future__ import annotations
 
@@ -107,11 +108,31 @@ def call(
       num_stages=int(num_stages), constexprs=tuple(sorted(constexprs.items())))
   run = importlib.import_module(BACKEND_MODULES[backend]).run
 
+  @jax.custom_batching.custom_vmap
+  def batchable(*arrays):
+    return tuple(run(spec, arrays))
+
+  # jax-triton's and XLA's Triton calls have no batching rule (jax.vmap raises inside them),
+  # and a kernel's grid knows nothing of a vmapped axis: each element launches once, in turn.
+  @batchable.def_vmap
+  def _one_at_a_time(axis_size, in_batched, *arrays):
+    del axis_size
+    if not any(in_batched):
+      return batchable(*arrays), (False,) * len(spec.out_shape)
+    batched = [a for a, b in zip(arrays, in_batched) if b]
+
+    def one(elements):
+      it = iter(elements)
+      return batchable(*[next(it) if b else a for a, b in zip(arrays, in_batched)])
+
+    outs = jax.lax.map(one, batched)
+    return outs, (True,) * len(outs)
+
   # Differentiating a launch would otherwise fail inside a backend with a message about its
   # internals; say what is true here instead, at trace time.
   @jax.custom_jvp
   def launch(*arrays):
-    return tuple(run(spec, arrays))
+    return batchable(*arrays)
 
   launch.defjvp(_forward_only)
   return tuple(launch(*[a for a in args if is_array(a)]))

@@ -818,3 +818,29 @@ def test_cache_past_int32_offsets_gpu():
   assert_close("o", o_ref, o, 1e-2)
   assert_close("state at the far slot", small_ref, cache[slots], 1e-2)
   assert bits_equal(cache[S - 2].astype(jnp.float32), neighbour)
+
+
+def check_vmap_decode(N, D, M, H, HV, K, V, S, dtype, backend):
+  """jax.vmap over independent caches (one per model of an ensemble): a speculative step with
+  intermediate states, under jit, equals each element's own step; each element launches the
+  kernel once (gdp_jax/_launch.py). Slots no request addresses come back bit-identical."""
+  E = 2
+  per = [gdp_inputs(N, D, M, H, HV, K, V, S, dtype, seed=40 + e) for e in range(E)]
+  step = lambda a: gdp_jax.gated_delta_product_decode(**a, num_householder=M, backend=backend)
+  got = jax.jit(jax.vmap(step))(jax.tree.map(lambda *x: jnp.stack(x), *per))
+  for e, a in enumerate(per):
+    want = step(a)
+    live = _live_slots(np.asarray(a["state_indices"]), S)
+    assert_close(f"o[{e}]", want[0], got[0][e], 1e-6)
+    for i, name in ((1, "state"), (2, "intermediate_states")):
+      assert_close(f"{name}[{e}]", np.asarray(want[i])[live], np.asarray(got[i][e])[live], 1e-6)
+      assert bits_equal(np.asarray(got[i][e])[~live], np.asarray(a[name])[~live])
+
+
+def test_vmap_over_caches():
+  check_vmap_decode(3, 2, 2, 1, 2, 16, 8, 5, "float32", KERNEL_BACKEND)
+
+
+@pytest.mark.gpu
+def test_vmap_over_caches_gpu():
+  check_vmap_decode(64, 4, 2, 16, 32, 128, 128, 96, "bfloat16", KERNEL_BACKEND)

@@ -123,3 +123,38 @@ def test_differentiating_a_launch_says_forward_only():
   # The forward pass under jit is untouched by the rule.
   y, new_cache = jax.jit(lambda x: _run(x, idx, cache, 0.5, "interpret"))(x)
   _check(x, idx, cache, y, new_cache, 0.5)
+
+
+def _vmap_case(dtype, E=3):
+  cases = [_case(dtype, seed=e) for e in range(E)]
+  xs = jnp.stack([c[0] for c in cases])
+  caches = jnp.stack([c[2] for c in cases])
+  idx = jnp.asarray([[5, -1, 1], [0, 6, -1], [2, 2 + 7, 3]][:E], jnp.int32)  # 9: out of range
+  return cases, xs, idx, caches
+
+
+def _check_vmapped(xs, idx, caches, ys, new_caches, scale):
+  for e in range(xs.shape[0]):
+    _check(xs[e], idx[e], caches[e], ys[e], new_caches[e], scale)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["fp32", "bf16"])
+def test_vmap_launches_once_per_element_interpret(dtype):
+  _, xs, idx, caches = _vmap_case(dtype)
+  run = lambda x, i, c: _run(x, i, c, 0.5, "interpret")
+  ys, new_caches = jax.jit(jax.vmap(run))(xs, idx, caches)
+  _check_vmapped(xs, idx, caches, ys, new_caches, 0.5)
+  # Some arguments unbatched (one cache shared by every element: each gets its own copy back),
+  # and vmap nested in vmap.
+  ys, new_caches = jax.vmap(run, in_axes=(0, 0, None))(xs, idx, caches[0])
+  _check_vmapped(xs, idx, jnp.broadcast_to(caches[0], caches.shape), ys, new_caches, 0.5)
+  ys, new_caches = jax.vmap(jax.vmap(run))(xs[:, None], idx[:, None], caches[:, None])
+  _check_vmapped(xs, idx, caches, ys[:, 0], new_caches[:, 0], 0.5)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["triton", "xla_triton"])
+def test_vmap_launches_once_per_element_gpu(backend):
+  _, xs, idx, caches = _vmap_case(jnp.float32)
+  ys, new_caches = jax.jit(jax.vmap(lambda x, i, c: _run(x, i, c, 0.5, backend)))(xs, idx, caches)
+  _check_vmapped(xs, idx, caches, ys, new_caches, 0.5)
