@@ -597,7 +597,8 @@ def _sometimes_wrong_drafter(model, tokens, n):
   return jnp.where((drafts + tokens[:, None]) % 3 == 0, (drafts + 1) % model.vocab_size, drafts)
 
 
-def test_example_engine_matches_recomputation():
+@pytest.mark.parametrize("replay", [True, False], ids=["replay", "snapshots"])
+def test_example_engine_matches_recomputation(replay):
   model = em.TinyLM(vocab_size=32, hidden_size=32, num_layers=2, head_dim=8, num_heads=2,
                     num_v_heads=4, num_householder=2, backend="reference", param_dtype=f64,
                     rngs=nnx.Rngs(0))
@@ -606,7 +607,8 @@ def test_example_engine_matches_recomputation():
   reqs = [em.Request(tuple(int(t) for t in rng.integers(0, 32, L)), n) for L, n in shapes]
   ref = em.generate_reference(model, reqs)
   engine = em.Engine(model, num_slots=3, num_draft=3, max_prefill_tokens=24, max_prefill_seqs=2,
-                     drafter=_sometimes_wrong_drafter, cache_dtype=f64)
+                     drafter=_sometimes_wrong_drafter, cache_dtype=f64, replay=replay)
+  assert (engine.caches[0].ring is not None) == replay
   out, stats = engine.generate(reqs)
   assert out == ref
   assert [len(o) for o in out] == [n for _, n in shapes]
