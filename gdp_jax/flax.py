@@ -463,7 +463,7 @@ class GatedDeltaProduct(nnx.Module):
     if num_draft is None:
       return GDPCache(state, conv)
     if replay:
-      R, H, M = num_draft * self.num_householder, self.num_heads, self.num_householder
+      R, H = num_draft * self.num_householder, self.num_heads
       # The ring replays what the step ran: k, v and beta in the activation dtype, g as _gates
       # computes it.
       ring = (jnp.zeros((S, R, H, K), conv_dtype), jnp.zeros((S, R, HV, V), conv_dtype),

@@ -245,8 +245,8 @@ def _packed(seqs):
 
 def test_replay_decode_rolls_back_at_every_count(layer):
   """A replay cache after a step of D tokens: the next step keeping n1 = 0..D of them, then
-  commit_replay keeping n2 of that step, then a step from the commit, all follow the prefill of
-  only the kept tokens (outputs, committed state and convolution window). Nobody's slots (3; 5,
+  commit_replay keeping n2 of that step, then a step or a prefill from the commit, all follow the
+  prefill of only the kept tokens (outputs, committed state and convolution window). Nobody's slots (3; 5,
   which slot -1 would wrap to) stay bit for bit, the padding row's output is exactly zero."""
   D, P, S = 3, 2, 6
   slots = jnp.array([4, 0, -1, 2, 1], jnp.int32)
@@ -275,6 +275,7 @@ def test_replay_decode_rolls_back_at_every_count(layer):
   y2, cache = _decode_from(layer, b, cache, slots, jnp.asarray(n1, jnp.int32))
   cache = layer.commit_replay(cache, slots, jnp.asarray(n2, jnp.int32))
   y3, cache3 = _decode_from(layer, c, cache, slots, jnp.zeros(5, jnp.int32))
+  y3p, _ = _prefill(layer, c, cache=cache, slots=slots)
   for j, i in enumerate(live):
     s = int(slots[i])
     tag = f"request {i} (kept {n1[i]}, then {n2[i]})"
@@ -284,7 +285,8 @@ def test_replay_decode_rolls_back_at_every_count(layer):
     assert_close(f"{tag}: committed conv", c_ref.conv[len(live) + j], cache.conv[s],
                  RTOL["float64"])
     assert_close(f"{tag}: step 3 y", last_d(2 * len(live) + j), y3[i], RTOL["float64"])
-  for y in (y2, y3):
+    assert_close(f"{tag}: prefill y", last_d(2 * len(live) + j), y3p[i], RTOL["float64"])
+  for y in (y2, y3, y3p):
     assert bits_equal(y[2], jnp.zeros_like(y[2])), "padding request output is not zero"
   for s in (3, 5):
     for buf in jax.tree.leaves(cache3):
@@ -302,7 +304,8 @@ def test_replay_cache_errors(layer):
   with pytest.raises(ValueError, match=r"commit_replay\(cache, slots, num_accepted\)"):
     gflax.accept_draft_tokens(cache, slots, jnp.ones(2, jnp.int32))
   with pytest.raises(ValueError, match="no replay ring"):
-    layer.commit_replay(layer.init_cache(2, num_draft=3, dtype=f64), slots, jnp.ones(2, jnp.int32))
+    layer.commit_replay(layer.init_cache(2, num_draft=3, dtype=f64), slots,
+                        jnp.ones(2, jnp.int32))
   with pytest.raises(ValueError, match="num_draft: replay=True needs D"):
     layer.init_cache(2, replay=True)
   with pytest.raises(ValueError, match="num_accepted: expected 0..D = 0..3"):
