@@ -175,11 +175,10 @@ class ShardedEngine(em.Engine):
 
   Same arguments as `Engine` after `mesh` (a `make_mesh` mesh) but replay, which must stay
   False; num_slots must be a multiple of the size of "data" and the layers' HV of the size of
-  "model". The steps trace with
-  `layer_ops_on(mesh, bitwise=True)`: on the reference backend the generated tokens are the
-  unsharded engine's and the caches equal its caches to a few float32 ulp, bit for bit where
-  XLA fuses both programs alike (tests/test_sharding.py); on the kernels the same tokens up to
-  float32 rounding of the logits.
+  "model". The steps trace with `layer_ops_on(mesh, bitwise=True)`: on the reference backend the
+  generated tokens are the unsharded engine's and the caches equal its caches to a few float32
+  ulp, bit for bit where XLA fuses both programs alike (tests/test_sharding.py); on the kernels
+  the same tokens up to float32 rounding of the logits.
   """
 
   def __init__(self, model: em.TinyLM, mesh, *, drafter=em.bigram_drafter, replay=False,
