@@ -293,6 +293,36 @@ def test_replay_decode_rolls_back_at_every_count(layer):
       assert bool(jnp.isnan(buf[s]).all()), f"slot {s} was touched"
 
 
+@pytest.mark.parametrize("extra", [dict(use_short_conv=False, use_forget_gate=False),
+                                   dict(conv_size=2, num_householder=3, conv_bias=True)],
+                         ids=["no-conv-no-gate", "window-1-M3"])
+def test_replay_other_layer_configs(extra):
+  """Replay without the short convolution and the forget gate (no conv ring, ring g None), and
+  with a window of one input, shorter than D: the next step and the commit follow the prefill of
+  the kept tokens."""
+  lay = _randomize(_abstract(**dict(CFG, **extra), backend="reference", param_dtype=f64), 24)
+  D, P = 2, 3
+  x = _x((2, P + 2 * D, HIDDEN), seed=25)
+  slots = jnp.array([1, 0], jnp.int32)
+  kept = np.array([1, 2])
+  cache = lay.init_cache(2, num_draft=D, replay=True, dtype=f64)
+  assert (cache.conv_ring is None) == ("use_short_conv" in extra)
+  assert (cache.ring[2] is None) == ("use_forget_gate" in extra)
+  _, cache = _prefill(lay, x[:, :P], cache=cache, slots=slots)
+  _, cache = _decode_from(lay, x[:, P:P + D], cache, slots, jnp.zeros(2, jnp.int32))
+  nxt = jnp.stack([x[i, P + n:P + n + D] for i, n in enumerate(kept)])
+  y, cache = _decode_from(lay, nxt, cache, slots, jnp.asarray(kept, jnp.int32))
+  cache = lay.commit_replay(cache, slots, jnp.array([2, 1], jnp.int32))
+  y_full = _prefill(lay, x)
+  for i, n in enumerate(kept):
+    assert_close(f"request {i} y", y_full[i, P + n:P + n + D], y[i], RTOL["float64"])
+  # Request 0 kept 1 + 2 tokens, request 1 2 + 1: both end at token P + 3 of x.
+  _, ref = _prefill(lay, x[:, :P + 3], cache=lay.init_cache(2, dtype=f64), slots=slots)
+  for name in ("state", "conv"):
+    if getattr(ref, name) is not None:
+      assert_close(f"committed {name}", getattr(ref, name), getattr(cache, name), RTOL["float64"])
+
+
 def test_replay_cache_errors(layer):
   x = _x((2, 3, HIDDEN), seed=21)
   slots = jnp.array([0, 1], jnp.int32)
