@@ -173,16 +173,22 @@ def cache_shardings(caches, mesh):
 class ShardedEngine(em.Engine):
   """`examples.tiny_lm.Engine` with its caches and steps split over `mesh`.
 
-  Same arguments as `Engine` after `mesh` (a `make_mesh` mesh); num_slots must be a multiple of
-  the size of "data" and the layers' HV of the size of "model". The steps trace with
-  `layer_ops_on(mesh, bitwise=True)`: on the reference backend the generated tokens are the
-  unsharded engine's and the caches equal its caches to a few float32 ulp, bit for bit where
-  XLA fuses both programs alike (tests/test_sharding.py); on the kernels the same tokens up to
-  float32 rounding of the logits.
+  Same arguments as `Engine` after `mesh` (a `make_mesh` mesh) but replay, which must stay
+  False; num_slots must be a multiple of the size of "data" and the layers' HV of the size of
+  "model". The steps trace with `layer_ops_on(mesh, bitwise=True)`: on the reference backend the
+  generated tokens are the unsharded engine's and the caches equal its caches to a few float32
+  ulp, bit for bit where XLA fuses both programs alike (tests/test_sharding.py); on the kernels
+  the same tokens up to float32 rounding of the logits.
   """
 
-  def __init__(self, model: em.TinyLM, mesh, *, drafter=em.bigram_drafter, **kwargs):
-    super().__init__(model, drafter=drafter, **kwargs)
+  def __init__(self, model: em.TinyLM, mesh, *, drafter=em.bigram_drafter, replay=False,
+               **kwargs):
+    # gdp_jax.sharding splits the decode step's cache and snapshots, not a replay ring: the
+    # sharded engine speculates from per-token snapshots.
+    if replay:
+      raise ValueError("replay: ShardedEngine keeps per-token snapshots (replay=False); "
+                       "gdp_jax.sharding.sharded does not split the decode step's replay_ring")
+    super().__init__(model, drafter=drafter, replay=False, **kwargs)
     self.mesh = mesh
     rep, rows = replicated(mesh), batch_sharding(mesh)
     caches = cache_shardings(self.caches, mesh)

@@ -10,9 +10,11 @@ slot), then decode together, one row per slot (-1 rows are idle slots); a finish
 leaves its slot to the next. With `num_draft = D > 1` each decode step is speculative: a
 drafter proposes D-1 tokens after the current one, the model verifies all D in one
 `decode` call, and greedy argmax decides how many are accepted. Nothing is rolled back: the
-next step passes those counts as `num_accepted`, and every layer starts each request from its
-snapshots (state and convolution inputs) after the last accepted token (docs/api.md). Both
-compiled steps take the caches donated, so they are updated in place.
+next step passes those counts as `num_accepted`, and every layer replays each request's
+accepted tokens of the last step (kept in its cache's ring) into a checkpoint of the state and
+convolution inputs before running the new ones (checkpoint and replay; `replay=False` starts
+from per-token snapshots instead; docs/api.md). Both compiled steps take the caches donated, so
+they are updated in place.
 
 `generate_reference` produces the same tokens the slow way, recomputing each request's whole
 sequence with the prefill path for every new token and no cache at all.
@@ -69,9 +71,11 @@ class TinyLM(nnx.Module):
     self.unembed = nnx.Linear(hidden_size, vocab_size, use_bias=False, param_dtype=param_dtype,
                               rngs=rngs)
 
-  def init_caches(self, num_slots: int, *, num_draft: int | None = None, dtype=jnp.float32):
-    """One `GDPCache` per block, as a tuple (a pytree to donate)."""
-    return tuple(b.attn.init_cache(num_slots, num_draft=num_draft, dtype=dtype)
+  def init_caches(self, num_slots: int, *, num_draft: int | None = None, replay: bool = False,
+                  dtype=jnp.float32):
+    """One `GDPCache` per block, as a tuple (a pytree to donate); `GatedDeltaProduct.init_cache`
+    says what num_draft and replay keep."""
+    return tuple(b.attn.init_cache(num_slots, num_draft=num_draft, replay=replay, dtype=dtype)
                  for b in self.blocks)
 
   def hidden(self, tokens, *, cu_seqlens=None, caches=None, slots=None):
@@ -135,13 +139,20 @@ def _prefill_step(graphdef, params, caches, tokens, cu_seqlens, slots):
   return caches, jnp.argmax(model.unembed(last), axis=-1).astype(jnp.int32)
 
 
+def _num_draft(model, cache):
+  """D, the tokens per decode step that `cache` was made for (1: plain decoding)."""
+  if cache.ring is not None:
+    return cache.ring[0].shape[1] // model.blocks[0].attn.num_householder
+  return 1 if cache.state_snapshots is None else cache.state_snapshots.shape[1]
+
+
 def _decode_step(graphdef, drafter, params, caches, current, slots, prev_accepted):
   model = nnx.merge(graphdef, params)
-  D = 1 if caches[0].state_snapshots is None else caches[0].state_snapshots.shape[1]
+  D = _num_draft(model, caches[0])
   drafts = drafter(model, current, D - 1)                            # [N, D-1]
   tokens = jnp.concatenate([current[:, None], drafts], axis=1)       # [N, D]
-  # Each request starts from its snapshots after the tokens the last step kept (0: after its
-  # prefill, from the cache itself); no rollback copy.
+  # Each request continues after the tokens the last step kept (0: after its prefill, from the
+  # cache itself): replayed into its checkpoint, or read from its snapshots; no rollback copy.
   logits, caches = model.decode(tokens, caches, slots, prev_accepted if D > 1 else None)
   preds = jnp.argmax(logits, axis=-1).astype(jnp.int32)              # [N, D]
   # Draft d+1 is accepted while it equals the model's greedy choice after token d.
@@ -176,6 +187,8 @@ class Engine:
     max_prefill_seqs: Q, sequences per prefill call (default: num_slots).
     drafter: `drafter(model, tokens [N], n) -> [N, n]` int32, traced inside the decode step.
     cache_dtype: dtype of the recurrent states.
+    replay: with num_draft > 1, checkpoint-and-replay caches (`init_cache(..., replay=True)`);
+      False keeps per-token snapshots.
     steps_per_call: decode steps per jitted call (unrolled), between which the host reads the
       tokens, retires finished requests and admits waiting ones. A small-batch step is bound by
       launches and by the host: each call ends in a device-to-host read, and a `lax.fori_loop`
@@ -187,7 +200,8 @@ class Engine:
 
   def __init__(self, model: TinyLM, *, num_slots: int, num_draft: int = 1,
                max_prefill_tokens: int = 64, max_prefill_seqs: int | None = None,
-               drafter=bigram_drafter, cache_dtype=jnp.float32, steps_per_call: int = 4):
+               drafter=bigram_drafter, cache_dtype=jnp.float32, steps_per_call: int = 4,
+               replay: bool = True):
     if steps_per_call < 1:
       raise ValueError(f"steps_per_call: expected an int >= 1, got {steps_per_call!r}")
     self.num_slots = num_slots
@@ -196,8 +210,14 @@ class Engine:
     self.max_prefill_tokens = max_prefill_tokens
     self.max_prefill_seqs = max_prefill_seqs or num_slots
     self.graphdef, self.params = nnx.split(model)
+    # Checkpoint and replay is the faster speculative step: one state read and one write per
+    # step whatever D, against one read and D snapshot writes. On the H200 (N = 256, HV = 16,
+    # K = V = 128, M = 2, D = 4, float32 cache) its kernel step takes 0.321 ms with bfloat16
+    # activations against 0.463 ms for the snapshot step (0.441 ms with float32 activations;
+    # benchmarks/decode_replay.json, docs/performance.md).
+    self.replay = replay and num_draft > 1
     self.caches = model.init_caches(num_slots, num_draft=num_draft if num_draft > 1 else None,
-                                    dtype=cache_dtype)
+                                    replay=self.replay, dtype=cache_dtype)
     # Caches are argument 1 of both (after params): donated, so XLA updates them in place.
     self._prefill = jax.jit(lambda p, c, t, cu, s: _prefill_step(self.graphdef, p, c, t, cu, s),
                             donate_argnums=(1,))
@@ -261,7 +281,8 @@ class Engine:
     active = {}                                      # slot -> (request id, request)
     outputs = [[] for _ in requests]
     current = np.zeros((self.num_slots,), np.int32)  # the last token of each slot, not yet fed
-    # Tokens the last decode step kept per slot; its snapshots after them are the state.
+    # Tokens the last decode step kept per slot: the next step replays them (or starts from
+    # their snapshots).
     accepted = np.zeros((self.num_slots,), np.int32)
     stats = {"prefill_calls": 0, "decode_steps": 0, "accepted": [], "slot_trace": []}
     while waiting or active:

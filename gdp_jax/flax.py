@@ -15,9 +15,12 @@ Two paths share the weights: `__call__` runs a prefill (dense or packed with cu_
 `gdp_jax.chunk_gated_delta_product`, and `decode` runs D draft tokens per request through
 `gdp_jax.gated_delta_product_decode`. Both read and write a `GDPCache`, addressed by slot: the
 recurrent state and the short convolution's last W-1 inputs. For speculative decoding, `decode`
-takes the previous step's accepted counts and starts both from the snapshots after the last
-accepted token, with no rollback copy (docs/api.md); `accept_draft_tokens` copies those
-snapshots back into the cache when it must be the state of record again.
+takes the previous step's accepted counts and either starts both from the snapshots after the
+last accepted token, with no rollback copy (`accept_draft_tokens` copies those snapshots back
+into the cache when it must be the state of record again), or, with a replay cache
+(`init_cache(..., replay=True)`), replays the accepted tokens from a ring of the previous step's
+inputs into a checkpoint (`GatedDeltaProduct.commit_replay` folds them in to end speculation).
+docs/api.md describes both.
 
 This module is `gdp_jax.flax` (it needs the optional dependency flax >= 0.12); its absolute
 `import flax.nnx` reaches the Flax package, not this file.
@@ -40,6 +43,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from gdp_jax.decode import accept_draft_tokens as _accept_state
+from gdp_jax.decode import commit_replay as _commit_state
 from gdp_jax.decode import gated_delta_product_decode
 from gdp_jax.prefill import chunk_gated_delta_product
 # torch's softplus (threshold 20), as FLA's gate uses it; the one the jnp gates of gdp_jax use.
@@ -71,11 +75,20 @@ class GDPCache(NamedTuple):
       `accept_draft_tokens`); None when the cache was made without draft tokens.
     conv_snapshots: [S, D, W-1, C], the convolution inputs after each draft token; None like
       state_snapshots (or without the short convolution).
+    ring: the replay ring of a replay cache (`init_cache(..., replay=True)`), else None: the
+      kernel's `replay_ring` (k [S, D*M, H, K], v [S, D*M, HV, V], g [S, D, HV] or None without
+      the forget gate, beta [S, D*M, HV]), the last `decode`'s inputs per slot. In a replay
+      cache `state` and `conv` are the checkpoint, the state and convolution inputs before that
+      step; the next `decode` replays its first num_accepted tokens into them.
+    conv_ring: [S, D, C], the last `decode`'s D convolution inputs per slot, in a replay cache
+      with the short convolution; else None.
   """
   state: jax.Array
   conv: jax.Array | None = None
   state_snapshots: jax.Array | None = None
   conv_snapshots: jax.Array | None = None
+  ring: tuple | None = None
+  conv_ring: jax.Array | None = None
 
 
 def _acc(dtype):
@@ -114,6 +127,18 @@ def _read_accepted(buf, snaps, slots, num_accepted):
                    jnp.zeros((), buf.dtype))
 
 
+def _read_replayed(conv, conv_ring, slots, num_accepted):
+  """Per request, the W-1 convolution inputs after its last accepted token of the last step:
+  the last W-1 rows of concat(conv[slot], conv_ring[slot, :n]); zeros for padding slots. Counts
+  are clamped to 0..D, as the kernels do."""
+  valid, gather, _ = _live_slots(slots, conv.shape[0])
+  W1, D = conv.shape[1], conv_ring.shape[1]
+  n = jnp.clip(num_accepted.astype(jnp.int32), 0, D)
+  ext = jnp.concatenate([conv[gather], conv_ring[gather].astype(conv.dtype)], axis=1)
+  rows = jnp.take_along_axis(ext, (n[:, None] + jnp.arange(W1))[:, :, None], axis=1)
+  return jnp.where(valid[:, None, None], rows, jnp.zeros((), conv.dtype))
+
+
 def reset_slots(cache: GDPCache, slots) -> GDPCache:
   """Zeroes the state and convolution inputs of `slots` (new requests start from zero).
 
@@ -122,7 +147,8 @@ def reset_slots(cache: GDPCache, slots) -> GDPCache:
     slots: [N] int32; slots outside [0, S) are skipped.
 
   Returns:
-    The cache with those rows zeroed (snapshots untouched: `decode` rewrites them).
+    The cache with those rows zeroed (snapshots and replay rings untouched: `decode` rewrites
+    them, and the next `decode` of a replay cache passes num_accepted = 0 for these slots).
   """
   state = _write_rows(cache.state, slots, jnp.zeros((slots.shape[0],) + cache.state.shape[1:]))
   conv = cache.conv
@@ -152,6 +178,10 @@ def accept_draft_tokens(cache: GDPCache, slots, num_accepted) -> GDPCache:
   Raises:
     ValueError: if the cache holds no snapshots.
   """
+  if cache.ring is not None:
+    raise ValueError("cache: a replay cache keeps no snapshots to copy back; fold the accepted "
+                     "tokens into its checkpoint with GatedDeltaProduct.commit_replay(cache, "
+                     "slots, num_accepted)")
   if cache.state_snapshots is None:
     raise ValueError("cache: holds no draft-token snapshots; make it with "
                      "GatedDeltaProduct.init_cache(num_slots, num_draft=D)")
@@ -397,28 +427,51 @@ class GatedDeltaProduct(nnx.Module):
     M = self.num_householder
     return self.key_dim * (1 + M) + self.value_dim * M
 
-  def init_cache(self, num_slots: int, *, num_draft: int | None = None, dtype=jnp.float32,
-                 conv_dtype=None) -> GDPCache:
+  def init_cache(self, num_slots: int, *, num_draft: int | None = None, replay: bool = False,
+                 dtype=jnp.float32, conv_dtype=None) -> GDPCache:
     """A zeroed cache of `num_slots` slots.
 
     Args:
       num_slots: S.
-      num_draft: D, the draft tokens per `decode` step whose snapshots `accept_draft_tokens`
-        rolls back to; None for plain decoding (no snapshots).
+      num_draft: D, the draft tokens per speculative `decode` step; None for plain decoding.
+        Without replay the cache keeps their snapshots (`accept_draft_tokens` rolls back to
+        them, or the next `decode` starts from them).
+      replay: a checkpoint-and-replay cache (needs num_draft): the state and convolution
+        inputs are checkpoints, and a ring keeps the last step's inputs per slot (`GDPCache`'s
+        `ring` and `conv_ring`) for the next `decode` to replay; 1 state read and 1 write per
+        step whatever D, against 1 read and D snapshot writes (docs/api.md).
       dtype: dtype of the state and its snapshots (float32 keeps rollback exact).
-      conv_dtype: dtype of the convolution inputs; None: the layer's dtype, else param_dtype
-        (the dtype of the projections' outputs).
+      conv_dtype: dtype of the convolution inputs and the replay ring's k, v and beta; None:
+        the layer's dtype, else param_dtype (the dtype of the projections' outputs). The ring's
+        g is float32 (float64 for float64 activations), as the layer computes it.
 
     Returns:
-      `GDPCache` with state [S, HV, K, V], conv [S, W-1, C] and, with num_draft, the snapshots.
+      `GDPCache` with state [S, HV, K, V], conv [S, W-1, C] and, with num_draft, the snapshots
+      or (replay) the rings.
+
+    Raises:
+      ValueError: for replay without num_draft.
     """
     S, HV, K, V = num_slots, self.num_v_heads, self.head_k_dim, self.head_v_dim
     conv_dtype = conv_dtype or self.dtype or self.param_dtype
     state = jnp.zeros((S, HV, K, V), dtype)
     conv = (jnp.zeros((S, self.conv_size - 1, self.conv_width), conv_dtype)
             if self.use_short_conv else None)
+    if replay and num_draft is None:
+      raise ValueError("num_draft: replay=True needs D, the draft tokens per decode step "
+                       "(the ring holds one step's)")
     if num_draft is None:
       return GDPCache(state, conv)
+    if replay:
+      R, H = num_draft * self.num_householder, self.num_heads
+      # The ring replays what the step ran: k, v and beta in the activation dtype, g as _gates
+      # computes it.
+      ring = (jnp.zeros((S, R, H, K), conv_dtype), jnp.zeros((S, R, HV, V), conv_dtype),
+              jnp.zeros((S, num_draft, HV), _acc(conv_dtype)) if self.use_forget_gate else None,
+              jnp.zeros((S, R, HV), conv_dtype))
+      conv_ring = (jnp.zeros((S, num_draft, self.conv_width), conv_dtype)
+                   if conv is not None else None)
+      return GDPCache(state, conv, ring=ring, conv_ring=conv_ring)
     state_snaps = jnp.zeros((S, num_draft, HV, K, V), dtype)
     conv_snaps = (jnp.zeros((S, num_draft) + conv.shape[1:], conv_dtype)
                   if conv is not None else None)
@@ -542,6 +595,12 @@ class GatedDeltaProduct(nnx.Module):
     decoding with no rollback copy (docs/api.md). Without num_accepted the step starts from
     `cache.state` and `cache.conv` (roll them back first with `accept_draft_tokens`).
 
+    With a replay cache (`init_cache(S, num_draft=D, replay=True)`) num_accepted is required:
+    request n replays the first num_accepted[n] tokens of the last step (kept in the rings of
+    its slot) into the checkpoint, stores the result as the new checkpoint (`cache.state`,
+    `cache.conv`), runs its D tokens from there and leaves them in the rings. Count 0 (after a
+    prefill or `reset_slots`) replays nothing. `commit_replay` ends speculation.
+
     Args:
       x: [N, D, hidden_size], D consecutive tokens per request (D = 1 for plain decoding).
       cache: a `GDPCache`.
@@ -549,16 +608,19 @@ class GatedDeltaProduct(nnx.Module):
         Non-negative slots must be unique.
       num_accepted: [N] int32 or None: per request, how many of its D tokens the previous step
         kept (0 for a request fresh from prefill: it starts from cache.state and cache.conv).
-        Needs the snapshots; the cache's state and conv are then not written, the snapshots are
-        the state of record. Concrete counts outside 0..D raise ValueError.
+        Needs the snapshots or the replay rings; with snapshots the cache's state and conv are
+        not written, the snapshots are the state of record. Concrete counts outside 0..D raise
+        ValueError; traced ones are clamped to 0..D.
 
     Returns:
       (y [N, D, hidden_size], updated cache).
 
     Raises:
-      ValueError: if the cache keeps snapshots for a different number of draft tokens, or
-        num_accepted comes without snapshots.
+      ValueError: if the cache keeps snapshots or a ring for a different number of draft
+        tokens, num_accepted comes without them, or a replay cache comes without num_accepted.
     """
+    if cache.ring is not None:
+      return self._decode_replay(x, cache, slots, num_accepted)
     N, D, _ = x.shape
     M, HV = self.num_householder, self.num_v_heads
     snaps = cache.state_snapshots
@@ -595,6 +657,75 @@ class GatedDeltaProduct(nnx.Module):
     y = self._output(out[0], x)
     new_cache = GDPCache(out[1], conv, out[2] if snaps is not None else None, conv_snaps)
     return y, new_cache
+
+  def _decode_replay(self, x, cache, slots, num_accepted):
+    N, D, _ = x.shape
+    M, HV = self.num_householder, self.num_v_heads
+    ring_d = cache.ring[0].shape[1] // M
+    if ring_d != D:
+      raise ValueError(f"x: the cache's replay ring holds D = {ring_d} draft tokens per slot, got "
+                       f"x of shape {list(x.shape)} (D = {D}); use a cache with "
+                       f"init_cache(S, num_draft={D}, replay=True)")
+    if num_accepted is None:
+      raise ValueError(f"num_accepted: a replay cache needs the previous step's accepted counts "
+                       f"[N] = [{N}] (0 for a request fresh from prefill or reset_slots)")
+    if cache.state_snapshots is not None or cache.conv_snapshots is not None:
+      raise ValueError("cache: holds both a replay ring and snapshots; make it with "
+                       "init_cache(S, num_draft=D, replay=True), which keeps the ring only")
+    xa = self._project(x)
+    conv, conv_ring = cache.conv, cache.conv_ring
+    if self.use_short_conv:
+      weight, bias = self._conv_params()
+      # The accepted inputs of the last step, appended to the checkpoint's window, are the new
+      # checkpoint's window: the convolution's replay.
+      ctx = _read_replayed(conv, conv_ring, slots, num_accepted)
+      ya, _ = _conv_decode(xa, weight, bias, ctx)
+      conv = _write_rows(conv, slots, ctx)
+      conv_ring = _write_rows(conv_ring, slots, xa)
+    else:
+      ya = jax.nn.silu(xa)
+    q, k, v = self._split_heads(ya, (N, D))
+    beta, g = self._gates(x)
+    o, state, ring = gated_delta_product_decode(
+        q, k.reshape(N, D * M, *k.shape[3:]), v.reshape(N, D * M, *v.shape[3:]), g,
+        beta.reshape(N, D * M, HV), num_householder=M, state=cache.state,
+        state_indices=slots.astype(jnp.int32), num_accepted=num_accepted,
+        replay_ring=cache.ring, use_qk_l2norm_in_kernel=True, backend=self.backend)
+    return self._output(o, x), cache._replace(state=state, conv=conv, ring=ring,
+                                              conv_ring=conv_ring)
+
+  def commit_replay(self, cache: GDPCache, slots, num_accepted) -> GDPCache:
+    """Folds each slot's accepted tokens of the last `decode` into a replay cache's checkpoint.
+
+    Request i (slot s = slots[i]) applies the first n = num_accepted[i] tokens of the rings of
+    slot s to `state[s]` (`gdp_jax.commit_replay`, the same kernel as the replay in `decode`)
+    and to `conv[s]`. Afterwards the cache is the state after all accepted tokens, for a
+    prefill that continues the request or plain decoding, and the ring is spent: the next
+    `decode` of these slots passes num_accepted = 0.
+
+    Args:
+      cache: a replay cache written by `decode`.
+      slots: [N] int32 slots, as passed to `decode`; slots outside [0, S) are skipped.
+      num_accepted: [N] int32 in 0..D (0: no change); concrete counts outside it raise
+        ValueError, traced ones are clamped.
+
+    Returns:
+      The cache with the accepted tokens folded in (rings untouched).
+
+    Raises:
+      ValueError: if the cache holds no replay ring.
+    """
+    if cache.ring is None:
+      raise ValueError("cache: holds no replay ring; make it with GatedDeltaProduct.init_cache("
+                       "num_slots, num_draft=D, replay=True) (a snapshot cache rolls back with "
+                       "accept_draft_tokens)")
+    state = _commit_state(cache.state, cache.ring, slots.astype(jnp.int32), num_accepted,
+                          steps_per_token=self.num_householder, use_qk_l2norm_in_kernel=True,
+                          backend=self.backend)
+    conv = cache.conv
+    if conv is not None:
+      conv = _write_rows(conv, slots, _read_replayed(conv, cache.conv_ring, slots, num_accepted))
+    return cache._replace(state=state, conv=conv)
 
 
 # -------------------------------------------------------------------------------------------------

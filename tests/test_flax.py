@@ -70,9 +70,9 @@ def _x(shape, seed=0):
   return jnp.asarray(np.random.default_rng(seed).standard_normal(shape), f64)
 
 
-def _poisoned_cache(layer, S, num_draft=None, seed=3):
+def _poisoned_cache(layer, S, num_draft=None, seed=3, replay=False):
   """A cache with random contents; the caller NaNs the rows nobody may touch."""
-  c = layer.init_cache(S, num_draft=num_draft, dtype=f64)
+  c = layer.init_cache(S, num_draft=num_draft, replay=replay, dtype=f64)
   rng = np.random.default_rng(seed)
   return jax.tree.map(lambda a: jnp.asarray(rng.standard_normal(a.shape), a.dtype), c)
 
@@ -233,9 +233,154 @@ def test_layer_under_jit_with_donated_cache(layer):
   assert_close("state", c_ref.state, c.state, RTOL["float64"])
 
 
-@pytest.mark.parametrize("variant", ["default", "plain"])
+# -------------------------------------------------------------------------------------------------
+# Checkpoint and replay (init_cache(..., replay=True))
+
+
+def _packed(seqs):
+  """[1, T, hidden] and cu_seqlens of sequences [L_i, hidden] packed in one row."""
+  cu = jnp.asarray(np.concatenate([[0], np.cumsum([len(s) for s in seqs])]), jnp.int32)
+  return jnp.concatenate(seqs)[None], cu
+
+
+def test_replay_decode_rolls_back_at_every_count(layer):
+  """A replay cache after a step of D tokens: the next step keeping n1 = 0..D of them, then
+  commit_replay keeping n2 of that step, then a step or a prefill from the commit, all follow the
+  prefill of only the kept tokens (outputs, committed state and convolution window). Nobody's slots (3; 5,
+  which slot -1 would wrap to) stay bit for bit, the padding row's output is exactly zero."""
+  D, P, S = 3, 2, 6
+  slots = jnp.array([4, 0, -1, 2, 1], jnp.int32)
+  live = np.array([0, 1, 3, 4])
+  n1 = np.array([0, 1, 7, 2, 3])            # row 2 is padding: its count is ignored
+  n2 = np.array([3, 2, 7, 0, 1])
+  x = _x((5, P + 3 * D, HIDDEN), seed=20)
+  prompt, a, b, c = x[:, :P], x[:, P:P + D], x[:, P + D:P + 2 * D], x[:, P + 2 * D:]
+  # The kept sequences: before step 2's tokens, through the commit, before step 3's tokens.
+  kept = [jnp.concatenate([prompt[i], a[i, :n1[i]]]) for i in live]
+  committed = [jnp.concatenate([k, b[i, :n2[i]]]) for k, i in zip(kept, live)]
+  seqs = ([jnp.concatenate([k, b[i]]) for k, i in zip(kept, live)] + committed
+          + [jnp.concatenate([k, c[i]]) for k, i in zip(committed, live)])
+  xp, cu = _packed(seqs)
+  y_ref, c_ref = _prefill(layer, xp, cu_seqlens=cu, cache=layer.init_cache(3 * len(live),
+                          dtype=f64), slots=jnp.arange(3 * len(live), dtype=jnp.int32))
+  ends = np.asarray(cu[1:])
+
+  def last_d(j):                             # the outputs of sequence j's last D tokens
+    return y_ref[0, ends[j] - D:ends[j]]
+
+  cache = _nan_rows(_poisoned_cache(layer, S, num_draft=D, replay=True), [3, 5])
+  cache = gflax.reset_slots(cache, slots)
+  _, cache = _prefill(layer, prompt, cache=cache, slots=slots)
+  _, cache = _decode_from(layer, a, cache, slots, jnp.zeros(5, jnp.int32))
+  y2, cache = _decode_from(layer, b, cache, slots, jnp.asarray(n1, jnp.int32))
+  cache = layer.commit_replay(cache, slots, jnp.asarray(n2, jnp.int32))
+  y3, cache3 = _decode_from(layer, c, cache, slots, jnp.zeros(5, jnp.int32))
+  y3p, _ = _prefill(layer, c, cache=cache, slots=slots)
+  for j, i in enumerate(live):
+    s = int(slots[i])
+    tag = f"request {i} (kept {n1[i]}, then {n2[i]})"
+    assert_close(f"{tag}: step 2 y", last_d(j), y2[i], RTOL["float64"])
+    assert_close(f"{tag}: committed state", c_ref.state[len(live) + j], cache.state[s],
+                 RTOL["float64"])
+    assert_close(f"{tag}: committed conv", c_ref.conv[len(live) + j], cache.conv[s],
+                 RTOL["float64"])
+    assert_close(f"{tag}: step 3 y", last_d(2 * len(live) + j), y3[i], RTOL["float64"])
+    assert_close(f"{tag}: prefill y", last_d(2 * len(live) + j), y3p[i], RTOL["float64"])
+  for y in (y2, y3, y3p):
+    assert bits_equal(y[2], jnp.zeros_like(y[2])), "padding request output is not zero"
+  for s in (3, 5):
+    for buf in jax.tree.leaves(cache3):
+      assert bool(jnp.isnan(buf[s]).all()), f"slot {s} was touched"
+
+
+@pytest.mark.parametrize("extra", [dict(use_short_conv=False, use_forget_gate=False),
+                                   dict(conv_size=2, num_householder=3, conv_bias=True)],
+                         ids=["no-conv-no-gate", "window-1-M3"])
+def test_replay_other_layer_configs(extra):
+  """Replay without the short convolution and the forget gate (no conv ring, ring g None), and
+  with a window of one input, shorter than D: the next step and the commit follow the prefill of
+  the kept tokens."""
+  lay = _randomize(_abstract(**dict(CFG, **extra), backend="reference", param_dtype=f64), 24)
+  D, P = 2, 3
+  x = _x((2, P + 2 * D, HIDDEN), seed=25)
+  slots = jnp.array([1, 0], jnp.int32)
+  kept = np.array([1, 2])
+  cache = lay.init_cache(2, num_draft=D, replay=True, dtype=f64)
+  assert (cache.conv_ring is None) == ("use_short_conv" in extra)
+  assert (cache.ring[2] is None) == ("use_forget_gate" in extra)
+  _, cache = _prefill(lay, x[:, :P], cache=cache, slots=slots)
+  _, cache = _decode_from(lay, x[:, P:P + D], cache, slots, jnp.zeros(2, jnp.int32))
+  nxt = jnp.stack([x[i, P + n:P + n + D] for i, n in enumerate(kept)])
+  y, cache = _decode_from(lay, nxt, cache, slots, jnp.asarray(kept, jnp.int32))
+  cache = lay.commit_replay(cache, slots, jnp.array([2, 1], jnp.int32))
+  y_full = _prefill(lay, x)
+  for i, n in enumerate(kept):
+    assert_close(f"request {i} y", y_full[i, P + n:P + n + D], y[i], RTOL["float64"])
+  # Request 0 kept 1 + 2 tokens, request 1 2 + 1: both end at token P + 3 of x.
+  _, ref = _prefill(lay, x[:, :P + 3], cache=lay.init_cache(2, dtype=f64), slots=slots)
+  for name in ("state", "conv"):
+    if getattr(ref, name) is not None:
+      assert_close(f"committed {name}", getattr(ref, name), getattr(cache, name), RTOL["float64"])
+
+
+def test_replay_cache_errors(layer):
+  x = _x((2, 3, HIDDEN), seed=21)
+  slots = jnp.array([0, 1], jnp.int32)
+  cache = layer.init_cache(2, num_draft=3, replay=True, dtype=f64)
+  with pytest.raises(ValueError, match=r"num_accepted: a replay cache needs .* \[N\] = \[2\]"):
+    _decode(layer, x, cache, slots)
+  with pytest.raises(ValueError, match=r"replay ring holds D = 3 .* got x of shape \[2, 2, 16\]"):
+    _decode_from(layer, x[:, :2], cache, slots, jnp.zeros(2, jnp.int32))
+  with pytest.raises(ValueError, match=r"commit_replay\(cache, slots, num_accepted\)"):
+    gflax.accept_draft_tokens(cache, slots, jnp.ones(2, jnp.int32))
+  with pytest.raises(ValueError, match="no replay ring"):
+    layer.commit_replay(layer.init_cache(2, num_draft=3, dtype=f64), slots,
+                        jnp.ones(2, jnp.int32))
+  with pytest.raises(ValueError, match="num_draft: replay=True needs D"):
+    layer.init_cache(2, replay=True)
+  with pytest.raises(ValueError, match="num_accepted: expected 0..D = 0..3"):
+    layer.commit_replay(cache, slots, jnp.array([1, 4], jnp.int32))
+
+
+def test_replay_matches_snapshots_under_jit_with_donated_cache(layer):
+  """Speculative steps with random accepted counts: the replay cache, stepped by a jax.jit that
+  donates it, gives the snapshot cache's outputs; commit_replay and accept_draft_tokens then
+  leave the same state and convolution window."""
+  D, S, steps = 3, 4, 4
+  graphdef, params = nnx.split(layer)
+
+  def step(params, cache, x, slots, num_accepted):
+    return nnx.merge(graphdef, params).decode(x, cache, slots, num_accepted)
+
+  step = jax.jit(step, donate_argnums=(1,))
+  slots = jnp.array([3, -1, 1], jnp.int32)
+  live = np.array([0, 2])
+  rng = np.random.default_rng(22)
+  snap = gflax.reset_slots(_poisoned_cache(layer, S, num_draft=D), slots)
+  replay = gflax.reset_slots(_poisoned_cache(layer, S, num_draft=D, replay=True), slots)
+  prompt = _x((3, 4, HIDDEN), seed=23)
+  _, snap = _prefill(layer, prompt, cache=snap, slots=slots)
+  _, replay = _prefill(layer, prompt, cache=replay, slots=slots)
+  n = jnp.zeros(3, jnp.int32)
+  for t in range(steps):
+    x = _x((3, D, HIDDEN), seed=30 + t)
+    y_snap, snap = _decode_from(layer, x, snap, slots, n)
+    old = replay
+    y, replay = step(params, replay, x, slots, n)
+    assert old.state.is_deleted() and old.ring[1].is_deleted(), "the cache was not donated"
+    assert_close(f"step {t} y", y_snap[live], y[live], RTOL["float64"])
+    n = jnp.asarray(rng.integers(1, D + 1, 3), jnp.int32)
+  rolled = gflax.accept_draft_tokens(snap, slots, n)
+  committed = layer.commit_replay(replay, slots, n)
+  for name in ("state", "conv"):
+    a, b = getattr(rolled, name), getattr(committed, name)
+    assert_close(name, a[np.array([3, 1])], b[np.array([3, 1])], RTOL["float64"])
+
+
+@pytest.mark.parametrize("variant", ["default", "plain", "replay"])
 def test_kernel_backend_matches_reference(variant):
-  """The same layer on the Triton kernels (interpreter on a CPU) and on the references."""
+  """The same layer on the Triton kernels (interpreter on a CPU) and on the references; "replay"
+  decodes twice through a replay cache (keeping 1 and 2 tokens of the first step) and commits."""
   cfg = dict(hidden_size=16, head_dim=16, expand_v=1, num_heads=1, num_v_heads=2,
              num_householder=2)
   if variant == "plain":
@@ -245,14 +390,23 @@ def test_kernel_backend_matches_reference(variant):
   x = _x((1, 10, 16), seed=6).astype(jnp.float32)
   cu = jnp.array([0, 3, 10], jnp.int32)
   slots = jnp.array([2, 0], jnp.int32)
+  replay = variant == "replay"
+  names = (("prefill y", "decode y", "step 2 y", "state", "committed state", "committed conv")
+           if replay else ("prefill y", "decode y", "state", "snapshots", "conv snapshots"))
   outs = {}
   for backend in ("reference", KERNEL_BACKEND):
     lay.backend = backend
-    y, c = _prefill(lay, x, cu_seqlens=cu, cache=lay.init_cache(3, num_draft=2), slots=slots)
-    yd, c = _decode(lay, x[0, :4].reshape(2, 2, 16), c, slots)
-    outs[backend] = (y, yd, c.state, c.state_snapshots, c.conv_snapshots)
-  for name, ref, out in zip(("prefill y", "decode y", "state", "snapshots", "conv snapshots"),
-                            outs["reference"], outs[KERNEL_BACKEND]):
+    cache = lay.init_cache(3, num_draft=2, replay=replay)
+    y, c = _prefill(lay, x, cu_seqlens=cu, cache=cache, slots=slots)
+    if replay:
+      yd, c = _decode_from(lay, x[0, :4].reshape(2, 2, 16), c, slots, jnp.zeros(2, jnp.int32))
+      y2, c = _decode_from(lay, x[0, 4:8].reshape(2, 2, 16), c, slots, jnp.array([1, 2]))
+      done = lay.commit_replay(c, slots, jnp.array([2, 1], jnp.int32))
+      outs[backend] = (y, yd, y2, c.state, done.state, done.conv)
+    else:
+      yd, c = _decode(lay, x[0, :4].reshape(2, 2, 16), c, slots)
+      outs[backend] = (y, yd, c.state, c.state_snapshots, c.conv_snapshots)
+  for name, ref, out in zip(names, outs["reference"], outs[KERNEL_BACKEND]):
     assert_close(name, ref, out, 1e-4)
 
 
@@ -476,7 +630,8 @@ def _sometimes_wrong_drafter(model, tokens, n):
   return jnp.where((drafts + tokens[:, None]) % 3 == 0, (drafts + 1) % model.vocab_size, drafts)
 
 
-def test_example_engine_matches_recomputation():
+@pytest.mark.parametrize("replay", [True, False], ids=["replay", "snapshots"])
+def test_example_engine_matches_recomputation(replay):
   model = em.TinyLM(vocab_size=32, hidden_size=32, num_layers=2, head_dim=8, num_heads=2,
                     num_v_heads=4, num_householder=2, backend="reference", param_dtype=f64,
                     rngs=nnx.Rngs(0))
@@ -485,7 +640,8 @@ def test_example_engine_matches_recomputation():
   reqs = [em.Request(tuple(int(t) for t in rng.integers(0, 32, L)), n) for L, n in shapes]
   ref = em.generate_reference(model, reqs)
   engine = em.Engine(model, num_slots=3, num_draft=3, max_prefill_tokens=24, max_prefill_seqs=2,
-                     drafter=_sometimes_wrong_drafter, cache_dtype=f64)
+                     drafter=_sometimes_wrong_drafter, cache_dtype=f64, replay=replay)
+  assert (engine.caches[0].ring is not None) == replay
   out, stats = engine.generate(reqs)
   assert out == ref
   assert [len(o) for o in out] == [n for _, n in shapes]

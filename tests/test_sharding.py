@@ -482,8 +482,9 @@ def _child_main(backend):
     drafts = em.bigram_drafter(model, tokens, n)
     return jnp.where((drafts + tokens[:, None]) % 3 == 0, (drafts + 1) % model.vocab_size, drafts)
 
+  # Snapshot caches on both sides: the sharded engine does not replay (examples/sharded_lm.py).
   engine_kw = dict(num_slots=4, num_draft=3, max_prefill_tokens=24, max_prefill_seqs=2,
-                   drafter=drafter)
+                   drafter=drafter, replay=False)
 
   @functools.lru_cache(maxsize=None)
   def unsharded_serving():
@@ -797,7 +798,7 @@ def test_example_model_over_two_gpus(shape):
   rng = np.random.default_rng(1)
   reqs = [em.Request(tuple(int(t) for t in rng.integers(0, 64, L)), n)
           for L, n in [(70, 7), (9, 5), (130, 10), (12, 6), (7, 1)]]
-  kw = dict(num_slots=4, num_draft=3, max_prefill_tokens=256, max_prefill_seqs=2)
+  kw = dict(num_slots=4, num_draft=3, max_prefill_tokens=256, max_prefill_seqs=2, replay=False)
   ref, _ = em.Engine(model, **kw).generate(reqs)     # the model's own parameters: not donated
   out, _ = sl.ShardedEngine(model, mesh, **kw).generate(reqs)
   assert out == ref
