@@ -590,8 +590,9 @@ def check_vmap(backend, dtype):
       return jnp.sum(o.astype(jnp.float32) * do) + jnp.sum(ht * dht), o
     return jax.value_and_grad(loss, has_aux=True)(x)
 
-  # Each element packs its sequences differently (the second one's cut moves by 10 tokens).
-  cus = [jnp.asarray(kw["cu_seqlens"]), jnp.asarray(kw["cu_seqlens"]).at[1].add(10)]
+  # Each element packs its sequences differently (the second one's first cut, and the empty
+  # sequence at it, 10 tokens later).
+  cus = [jnp.asarray(kw["cu_seqlens"]), jnp.asarray(kw["cu_seqlens"]).at[1:3].add(10)]
   stack = lambda trees: jax.tree.map(lambda *a: jnp.stack(a), *trees)
   got = jax.jit(jax.vmap(value_and_grad))(stack(xs), *stack(cts), jnp.stack(cus))
   for e in range(E):
