@@ -9,22 +9,24 @@ collective-permute or all-reduce.
 Layout (P = shards of the mesh axis):
 
 * head_axis splits value heads HV (P | HV), in contiguous blocks of HV / P, everywhere they occur:
-  v, g, beta, o, initial_state, final state, the cache, intermediate_states, chunk_states. Value
-  head hv reads key head hv // (HV // H), so q and k are split over H too when P | H; otherwise
-  (H < P, e.g. H = 1) q and k are replicated over head_axis and each device picks its own key
-  heads locally.
+  v, g, beta, o, initial_state, final state, the cache, intermediate_states, chunk_states, and
+  the replay ring's v, g and beta. Value head hv reads key head hv // (HV // H), so q, k and the
+  ring's keys are split over H too when P | H; otherwise (H < P, e.g. H = 1) they are replicated
+  over head_axis and each device picks its own key heads locally.
 * batch_axis splits sequences: B of the prefill and the decode step, N of Gated Delta Product
-  decode and `accept_draft_tokens`. A state cache is then split over slots S along the same axis
-  (P | S): device i owns slots [i S/P, (i+1) S/P). `state_indices` stay global, the same array
-  as without sharding, but request n of batch shard i must use a slot that device i owns; a slot
-  owned by another device is treated like -1 (no read, no write, output 0), since reaching it
-  would need communication. A serving loop keeps this by allocating each data shard's requests
-  slots from its own range. Packed sequences (cu_seqlens, B == 1) cannot be split over batch.
-* K, V and the token axis T are never split: inputs sharded over them are rejected with a
-  ValueError naming the dimension to replicate, rather than resharded behind the caller's back.
-  The check sees concrete arrays, and traced ones on meshes with Explicit axes (the default of
-  `jax.make_mesh` since jax 0.9); on Auto axes under jit the layout is not visible at trace time
-  and XLA moves data to the wrapper's layout by itself (`in_shardings` gives that layout).
+  decode, `accept_draft_tokens` and `commit_replay`. A state cache is then split over slots S
+  along the same axis (P | S), and its snapshots and replay ring with it: device i owns slots
+  [i S/P, (i+1) S/P). `state_indices` stay global, the same array as without sharding, but
+  request n of batch shard i must use a slot that device i owns; a slot owned by another device
+  is treated like -1 (no read, no write, output 0), since reaching it would need communication.
+  A serving loop keeps this by allocating each data shard's requests slots from its own range.
+  Packed sequences (cu_seqlens, B == 1) cannot be split over batch.
+* K, V, the token axis T and the ring's rows R are never split: inputs sharded over them are
+  rejected with a ValueError naming the dimension to replicate, rather than resharded behind
+  the caller's back. The check sees concrete arrays, and traced ones on meshes with Explicit
+  axes (the default of `jax.make_mesh` since jax 0.9); on Auto axes under jit the layout is not
+  visible at trace time and XLA moves data to the wrapper's layout by itself (`in_shardings`
+  gives that layout).
 
 Training: `jax.grad` / `jax.vjp` through a sharded `chunk_gated_delta_product` differentiate
 per shard. shard_map's transpose runs the op's `jax.custom_vjp` (the backward kernels, or jax.grad
@@ -56,11 +58,14 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 
+from gdp_jax import _checks
+from gdp_jax.decode import _push_ring
+
 __all__ = ["sharded"]
 
-# Dimension roles: "b" batch (B or N), "t" tokens or rows, "hk" query/key heads H, "h" value
-# heads HV, "k" K, "v" V, "s" cache slots S, "n" cu_seqlens entries.
-_ROLE_NAMES = {"b": "B", "t": "T", "hk": "H", "h": "HV", "k": "K", "v": "V", "s": "S",
+# Dimension roles: "b" batch (B or N), "t" tokens or rows, "r" replay ring rows, "hk" query/key
+# heads H, "h" value heads HV, "k" K, "v" V, "s" cache slots S, "n" cu_seqlens entries.
+_ROLE_NAMES = {"b": "B", "t": "T", "r": "R", "hk": "H", "h": "HV", "k": "K", "v": "V", "s": "S",
                "n": "N+1"}
 _ARG_ROLES = {
     "q": ("b", "t", "hk", "k"),
@@ -75,6 +80,11 @@ _ARG_ROLES = {
     "intermediate_states": ("s", "t", "h", "k", "v"),
     "num_accepted": ("b",),
 }
+# The replay ring's four arrays (k, v, g, beta) travel as arguments of their own, named as the
+# ops' messages name them; the ring is a per-slot companion of the cache and splits like it.
+_RING_PARTS = _checks.RING_NAMES
+_ARG_ROLES.update(zip(_RING_PARTS, (("s", "r", "hk", "k"), ("s", "r", "h", "v"), ("s", "r", "h"),
+                                    ("s", "r", "h"))))
 _CACHE = ("s", "h", "k", "v")
 
 
@@ -87,17 +97,19 @@ def _kinds():
       gdp_jax.chunk_gated_delta_product: "prefill",
       gdp_jax.gated_delta_product_decode: "gdp_decode",
       gdp_jax.accept_draft_tokens: "accept",
+      gdp_jax.commit_replay: "commit",
       reference.fused_recurrent_gated_delta_rule: "recurrent",
       reference.chunk_gated_delta_product: "prefill",
       reference.chunk_gated_delta_product_chunked: "prefill",
       reference.gated_delta_product_decode: "gdp_decode",
       reference.accept_draft_tokens: "accept",
+      reference.commit_replay: "commit",
   }
 
 
 def _out_roles(kind, a):
-  """Roles of the op's outputs, by position (None where the op returns None)."""
-  if kind == "accept":
+  """Roles of the op's outputs, in the op's output structure (None where it returns None)."""
+  if kind in ("accept", "commit"):
     return _CACHE
   o = ("b", "t", "h", "v")
   if a.get("state") is not None:
@@ -109,10 +121,22 @@ def _out_roles(kind, a):
   roles = [o, final]
   if kind in ("recurrent", "gdp_decode") and a.get("intermediate_states") is not None:
     roles.append(("s", "t", "h", "k", "v"))
+  if kind in ("recurrent", "gdp_decode") and _RING_PARTS[0] in a:
+    roles.append(tuple(None if a.get(n) is None else _roles_of(n, a[n]) for n in _RING_PARTS))
   if kind == "prefill" and a.get("return_chunk_states"):
     roles.append(("t", "h", "k", "v") if a.get("cu_seqlens") is not None
                  else ("b", "t", "h", "k", "v"))
   return tuple(roles)
+
+
+def _roles_of(name, x):
+  roles = _ARG_ROLES[name]
+  # Element-wise beta has V last.
+  return roles + ("v",) if name in ("beta", _RING_PARTS[3]) and x.ndim == 4 else roles
+
+
+def _is_roles(x):
+  return isinstance(x, tuple) and bool(x) and isinstance(x[0], str)
 
 
 def _axes(axis):
@@ -167,7 +191,7 @@ class _Plan:
         raise ValueError(
             f"cu_seqlens: packed sequences (B == 1) cannot be split over batch_axis={batch!r}; "
             "use head_axis only (batch_axis=None), or give each batch shard its own pack")
-      lead = "num_accepted" if kind == "accept" else "v"
+      lead = "num_accepted" if kind in ("accept", "commit") else "v"
       n = a[lead].shape[0]
       if n % self.pb:
         raise ValueError(
@@ -187,14 +211,15 @@ class _Plan:
             f"{a['intermediate_states'].shape[0]}; pass state and state_indices instead")
     self.key_mode = "shard"
     if self.head_axes:
-      hv_arg = "state" if kind == "accept" else "v"
-      HV = a[hv_arg].shape[1 if kind == "accept" else 2]
+      by_state = kind in ("accept", "commit")
+      hv_arg = "state" if by_state else "v"
+      HV = a[hv_arg].shape[1 if by_state else 2]
       if HV % self.ph:
         raise ValueError(
             f"{hv_arg}: HV = {HV} value heads are not divisible by the {self.ph} shards of "
             f"head_axis={heads!r}")
       if kind != "accept":
-        H = a["q"].shape[2]
+        H = a[_RING_PARTS[0] if kind == "commit" else "q"].shape[2]
         self.H, self.HV = H, HV
         if H % self.ph:
           # A shard's HV / P value heads need key heads of their groups only; with fewer key
@@ -211,18 +236,12 @@ class _Plan:
   def spec(self, roles):
     return PartitionSpec(*[_entry(self.axes_of(r)) for r in roles])
 
-  def arg_roles(self, name, x):
-    roles = _ARG_ROLES[name]
-    if name == "beta" and x.ndim == 4:
-      roles = roles + ("v",)
-    return roles
-
   def check_layout(self, name, x):
     """Rejects inputs already split over dimensions (or axes) that the wrapper keeps whole."""
     seen = _visible_spec(x, self.mesh)
     if seen is None:
       return
-    for d, (role, have) in enumerate(zip(self.arg_roles(name, x), seen)):
+    for d, (role, have) in enumerate(zip(_roles_of(name, x), seen)):
       want = self.axes_of(role)
       # Going from fewer to more shards along the same axes is a local slice; anything else
       # would move data between devices.
@@ -230,7 +249,7 @@ class _Plan:
         continue
       dim = self.names[role]
       axes = _entry(tuple(have))
-      if role in ("t", "k", "v", "n"):
+      if role in ("t", "r", "k", "v", "n"):
         why, alt = f"the sharded ops never split {dim}", ""
       elif role == "hk" and self.key_mode != "shard":
         why = (f"H = {self.H} key heads are not split over the {self.ph} shards of "
@@ -244,7 +263,7 @@ class _Plan:
         alt = f", or build the wrapper with head_axis={axes!r}"
       raise ValueError(
           f"{name}: dimension {d} ({dim}) is sharded over mesh axis {axes!r}, but {why}; place "
-          f"{name} as NamedSharding(mesh, {self.spec(self.arg_roles(name, x))}) (see "
+          f"{name} as NamedSharding(mesh, {self.spec(_roles_of(name, x))}) (see "
           f"in_shardings){alt}")
 
 
@@ -281,25 +300,27 @@ def sharded(op, mesh, *, batch_axis=None, head_axis=None):
   Call the result exactly like `op` (same signature, same outputs), inside or outside jax.jit,
   and differentiate it like `op` (jax.grad of the prefill runs its backward on each device).
   Each device runs `op` on its own block of value heads and sequences; see the module docstring
-  for the layout and for when a gradient needs a collective. Outputs come back split the same way (o over batch and heads, the cache over
-  slots and heads), so a jitted decode loop keeps everything in place; donate the cache
-  (`donate_argnums`) and it stays in the same buffers.
+  for the layout and for when a gradient needs a collective. Outputs come back split the same
+  way (o over batch and heads, the cache, its snapshots and its replay ring over slots and
+  heads), so a jitted decode loop keeps everything in place; donate the cache (`donate_argnums`)
+  and it stays in the same buffers.
 
   Args:
     op: one of `gdp_jax.fused_recurrent_gated_delta_rule`, `gdp_jax.chunk_gated_delta_product`,
-      `gdp_jax.gated_delta_product_decode`, `gdp_jax.accept_draft_tokens`, or their twins in
-      `gdp_jax.reference`.
+      `gdp_jax.gated_delta_product_decode`, `gdp_jax.accept_draft_tokens`,
+      `gdp_jax.commit_replay`, or their twins in `gdp_jax.reference`.
     mesh: a `jax.sharding.Mesh` (Auto or Explicit axes).
     batch_axis: mesh axis name (or tuple of names) to split sequences over: B ([B, T, ...]
-      inputs), N (decode with draft tokens, accept), and the cache's slots S; None keeps the batch
-      whole on every device. Not with cu_seqlens.
+      inputs), N (decode with draft tokens, accept, commit), and the cache's slots S; None keeps
+      the batch whole on every device. Not with cu_seqlens.
     head_axis: mesh axis name (or tuple of names) to split value heads HV over (and key heads H
       when they divide evenly, else replicated); None keeps heads whole.
 
   Returns:
     A function with `op`'s signature. Its attribute `in_shardings(*args, **kwargs)` (same
     signature) gives the NamedSharding of each array argument of such a call, for
-    `jax.device_put` or `jax.jit(in_shardings=...)`.
+    `jax.device_put` or `jax.jit(in_shardings=...)`; for `replay_ring` a tuple like the ring
+    (None where the ring has None).
 
   Raises:
     ValueError: (when the result is called) for sizes that the shards do not divide (HV, B or N,
@@ -325,51 +346,67 @@ def sharded(op, mesh, *, batch_axis=None, head_axis=None):
     bound = sig.bind(*args, **kwargs)
     bound.apply_defaults()
     a = dict(bound.arguments)
+    # A ring of another form stays whole, for the op's own check to reject.
+    ring = a.get("replay_ring")
+    if isinstance(ring, (tuple, list)) and len(ring) == 4:
+      del a["replay_ring"]
+      a.update(zip(_RING_PARTS, ring))
     arrays = [n for n, x in a.items() if n in _ARG_ROLES and _is_array(x)]
     static = {n: x for n, x in a.items() if n not in arrays}
-    call = lambda *xs: op(**static, **dict(zip(arrays, xs)))
+
+    def invoke(named):
+      kw = {**static, **named}
+      if _RING_PARTS[0] in kw:
+        kw["replay_ring"] = tuple(kw.pop(n) for n in _RING_PARTS)
+      return op(**kw)
+
     # The op's own checks first, on global shapes, so its messages name the sizes the caller
     # passed; the output structure tells which outputs are None.
-    out_struct = jax.eval_shape(call, *[jax.ShapeDtypeStruct(a[n].shape, a[n].dtype)
-                                        for n in arrays])
+    out_struct = jax.eval_shape(
+        lambda *xs: invoke(dict(zip(arrays, xs))),
+        *[jax.ShapeDtypeStruct(a[n].shape, a[n].dtype) for n in arrays])
     plan = _Plan(kind, a, mesh, batch_axes, head_axes)
-    return a, arrays, static, plan, out_struct
+    return a, arrays, invoke, plan, out_struct
 
   @functools.wraps(op)
   def wrapper(*args, **kwargs):
-    a, arrays, static, plan, out_struct = prepare(args, kwargs)
-    single = not isinstance(out_struct, tuple)
-    outs = (out_struct,) if single else out_struct
-    roles = (_out_roles(kind, a),) if single else _out_roles(kind, a)
-    live = [i for i, o in enumerate(outs) if o is not None]
-    if len(roles) != len(outs) or any(roles[i] is None for i in live):
+    a, arrays, invoke, plan, out_struct = prepare(args, kwargs)
+    roles = _out_roles(kind, a)
+    skeleton = lambda tree, is_leaf=None: jax.tree.structure(
+        jax.tree.map(lambda _: 0, tree, is_leaf=is_leaf))
+    if skeleton(roles, _is_roles) != skeleton(out_struct):
       raise RuntimeError(f"gdp_jax.sharding: unexpected outputs of {op.__name__}: {out_struct}")
 
     for n in arrays:
       plan.check_layout(n, a[n])
-    in_specs = tuple(plan.spec(plan.arg_roles(n, a[n])) for n in arrays)
+    in_specs = tuple(plan.spec(_roles_of(n, a[n])) for n in arrays)
     xs = [_reshard_explicit(a[n], s, mesh) for n, s in zip(arrays, in_specs)]
-    out_specs = tuple(plan.spec(roles[i]) for i in live)
+    out_specs = tuple(plan.spec(r) for r in jax.tree.leaves(roles, is_leaf=_is_roles))
 
     def local(*xs):
       la = dict(zip(arrays, xs))
+      whole = dict(la)
       if plan.key_mode != "shard":
         la.update(_local_key_heads(la, plan))
       if plan.batch_axes and la.get("state") is not None:
         la["state_indices"] = _local_slots(la, plan)
-      res = op(**{**static, **la})
-      res = (res,) if single else res
-      return tuple(res[i] for i in live)
+      res = invoke(la)
+      if plan.key_mode != "shard" and kind != "commit" and _RING_PARTS[0] in la:
+        # The new ring's keys stay whole on every head shard, like the ring's: each shard
+        # pushes the step's whole k, where the op pushed only its own key heads.
+        k_ring = _push_ring((whole[_RING_PARTS[0]],), la.get("state_indices"), (whole["k"],))
+        res = res[:-1] + (k_ring + tuple(res[-1][1:]),)
+      return tuple(jax.tree.leaves(res))
 
     res = _shard_map(local, mesh, in_specs, out_specs)(*xs)
-    full = [None] * len(outs)
-    for i, r in zip(live, res):
-      full[i] = r
-    return full[0] if single else tuple(full)
+    return jax.tree.unflatten(jax.tree.structure(out_struct), res)
 
   def in_shardings(*args, **kwargs):
     a, arrays, _, plan, _ = prepare(args, kwargs)
-    return {n: NamedSharding(mesh, plan.spec(plan.arg_roles(n, a[n]))) for n in arrays}
+    out = {n: NamedSharding(mesh, plan.spec(_roles_of(n, a[n]))) for n in arrays}
+    if _RING_PARTS[0] in a:
+      out["replay_ring"] = tuple(out.pop(n, None) for n in _RING_PARTS)
+    return out
 
   wrapper.__signature__ = sig
   in_shardings.__signature__ = sig
@@ -379,12 +416,15 @@ def sharded(op, mesh, *, batch_axis=None, head_axis=None):
 
 
 def _local_key_heads(la, plan):
-  """q and k of this shard's key heads, when H is not split (fewer key heads than shards)."""
+  """q, k and the ring's keys of this shard's key heads, when H is not split (fewer key heads
+  than shards)."""
   j = jax.lax.axis_index(plan.head_axes)
   HV_l = plan.HV // plan.ph
   G = plan.HV // plan.H
   out = {}
-  for name in ("q", "k"):
+  for name in ("q", "k", _RING_PARTS[0]):
+    if name not in la:
+      continue
     x = la[name]
     if plan.key_mode == "slice":
       # HV / P divides the group size G: all of this shard's value heads read one key head.
@@ -401,7 +441,7 @@ def _local_slots(la, plan):
   S_l = la["state"].shape[0]
   glob = la.get("state_indices")
   if glob is None:
-    n_l = (la["num_accepted"] if plan.kind == "accept" else la["v"]).shape[0]
+    n_l = (la["num_accepted"] if plan.kind in ("accept", "commit") else la["v"]).shape[0]
     glob = i * n_l + jnp.arange(n_l, dtype=jnp.int32)
   loc = glob.astype(jnp.int32) - i * S_l
   # A slot owned by another shard would need communication: it becomes padding here.

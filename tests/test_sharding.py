@@ -39,6 +39,8 @@ CASES = (
     "prefill-packed-heads-M2",
     "gdp-decode-accept-donated-M2-D2",
     "gdp-decode-num-accepted-M2-D3",
+    "gdp-decode-replay-commit-M2-D2",
+    "recurrent-replay-commit-H3-HV12-heads4",
     "slot-of-other-shard-is-padding",
 )
 REJECTIONS = (
@@ -47,6 +49,7 @@ REJECTIONS = (
     "reject-batch-without-batch-axis",
     "reject-cu-seqlens-batch",
     "reject-HV-indivisible",
+    "reject-ring-sharded",
     "reject-unknown-op",
 )
 # Training: jax.grad through the sharded prefill (the interpreter runs the first case only: it
@@ -133,7 +136,7 @@ def _child_main(backend):
     """Sharded (jitted, inputs placed by in_shardings) against unsharded; HLO without collectives."""
     f = sharding.sharded(op, mesh, batch_axis=batch_axis, head_axis=head_axis)
     bound = inspect.signature(op).bind(*args, **kwargs).arguments
-    arrays = [n for n, x in bound.items() if isinstance(x, jax.Array)]
+    arrays = [n for n, x in bound.items() if isinstance(x, jax.Array) or n == "replay_ring"]
     static = {n: x for n, x in bound.items() if n not in arrays}
     caller = lambda fn: (lambda *xs: fn(**static, **dict(zip(arrays, xs))))
     ref = jax.jit(caller(op))(*[bound[n] for n in arrays])
@@ -281,6 +284,43 @@ def _child_main(backend):
                          use_qk_l2norm_in_kernel=True, **bk),
                     batch_axis="data", head_axis="model")
 
+  def case_decode_replay_commit():
+    # Checkpoint and replay: the step replays each slot's accepted ring tokens (0: none), runs
+    # its new ones and returns the new ring; the commit folds a ring into the cache. Slots and
+    # ring split like the cache; request 2 is padding.
+    N, D, M, H, HV, K, V, S = 4, 2, 2, 2, 4, 16, 16, 6
+    q, k, v = normal(N, D, H, K), normal(N, D * M, H, K), normal(N, D * M, HV, V)
+    g = jnp.asarray(-rng.uniform(0.02, 0.5, (N, D, HV)), f32)
+    beta = jnp.asarray(rng.uniform(0.1, 0.9, (N, D * M, HV)), f32)
+    ring = (normal(S, D * M, H, K), normal(S, D * M, HV, V),
+            jnp.asarray(-rng.uniform(0.02, 0.5, (S, D, HV)), f32),
+            jnp.asarray(rng.uniform(0.1, 0.9, (S, D * M, HV)), f32))
+    state, idx = normal(S, HV, K, V), jnp.array([2, 0, -1, 4], jnp.int32)
+    acc = jnp.array([1, 2, 1, 0], jnp.int32)
+    kw = dict(batch_axis="data", head_axis="model")
+    return (run_case(gdp_jax.gated_delta_product_decode, mesh22, (q, k, v, g, beta),
+                     dict(num_householder=M, state=state, state_indices=idx, num_accepted=acc,
+                          replay_ring=ring, use_qk_l2norm_in_kernel=True, **bk), **kw)
+            or run_case(gdp_jax.commit_replay, mesh22, (state, ring, idx, acc),
+                        dict(steps_per_token=M, use_qk_l2norm_in_kernel=True, **bk), **kw))
+
+  def case_recurrent_replay_commit():
+    # Three key heads over four head shards: q, k and the ring's keys stay whole, each shard
+    # takes its own; element-wise beta in the ring.
+    B, T, H, HV, K, V, S = 2, 2, 3, 12, 16, 16, 3
+    q, k, v, g, _ = gdn_inputs(B, T, H, HV, K, V)
+    beta = jnp.asarray(rng.uniform(0.1, 0.9, (B, T, HV, V)), f32)
+    ring = (normal(S, T, H, K) / 4, normal(S, T, HV, V),
+            jnp.asarray(-rng.uniform(0.02, 0.5, (S, T, HV)), f32),
+            jnp.asarray(rng.uniform(0.1, 0.9, (S, T, HV, V)), f32))
+    state, idx = normal(S, HV, K, V), jnp.array([2, 0], jnp.int32)
+    acc = jnp.array([1, 2], jnp.int32)
+    return (run_case(op_rec, mesh4, (q, k, v, g, beta),
+                     dict(state=state, state_indices=idx, num_accepted=acc, replay_ring=ring,
+                          **bk), head_axis="model")
+            or run_case(gdp_jax.commit_replay, mesh4, (state, ring, idx, acc), bk,
+                        head_axis="model"))
+
   def case_other_shard_slot():
     # Request 1 (batch shard 0) names slot 3, which batch shard 1 owns: it is padding there, so
     # the result equals the unsharded op with that slot replaced by -1.
@@ -332,6 +372,21 @@ def _child_main(backend):
     q, k, v, g, beta = gdn_inputs(1, 2, 1, 2, 16, 16)
     f = sharding.sharded(op_rec, mesh4, head_axis="model")
     return expect_value_error(lambda: f(q, k, v, g, beta, **bk), "HV = 2")
+
+  def case_reject_ring():
+    N, D, H, HV, K, V, S = 2, 2, 2, 4, 16, 16, 4
+    q, k, v, g, beta = gdn_inputs(N, D, H, HV, K, V)
+    ring = (normal(S, D, H, K), normal(S, D, HV, V), normal(S, D, HV), normal(S, D, HV))
+    f = sharding.sharded(op_rec, mesh22, batch_axis="data", head_axis="model")
+    call = lambda ring: f(q, k, v, g, beta, state=normal(S, HV, K, V),
+                          state_indices=jnp.array([0, 2], jnp.int32),
+                          num_accepted=jnp.array([1, 1], jnp.int32), replay_ring=ring, **bk)
+    split_rows = ring[:1] + (jax.device_put(ring[1], NamedSharding(mesh22, P(None, "data"))),) \
+        + ring[2:]
+    split_slots = ring[:3] + (jax.device_put(ring[3], NamedSharding(mesh22, P("model"))),)
+    return (expect_value_error(lambda: call(split_rows), "replay_ring[1] (v): dimension 1 (R)")
+            or expect_value_error(lambda: call(split_slots),
+                                  "replay_ring[3] (beta): dimension 0 (S)"))
 
   def case_reject_op():
     return expect_value_error(lambda: sharding.sharded(jnp.add, mesh4, head_axis="model"), "op")
@@ -521,12 +576,14 @@ def _child_main(backend):
   table = dict(zip(CASES, (case_recurrent_heads, case_recurrent_batch_heads, case_recurrent_h1,
                            case_recurrent_h3, case_recurrent_packed, case_recurrent_auto,
                            case_prefill_batch_heads, case_prefill_packed, case_decode_accept,
-                           case_decode_num_accepted, case_other_shard_slot)))
+                           case_decode_num_accepted, case_decode_replay_commit,
+                           case_recurrent_replay_commit, case_other_shard_slot)))
   grads = dict(zip(GRAD_CASES, (case_grad_batch_heads, case_grad_packed, case_grad_h1)))
   models = {n: functools.partial(model_case, n) for n in MODEL_CASES}
   if backend == "reference":
     table.update(zip(REJECTIONS, (case_reject_t, case_reject_k_traced, case_reject_batch,
-                                  case_reject_cu, case_reject_hv, case_reject_op)))
+                                  case_reject_cu, case_reject_hv, case_reject_ring,
+                                  case_reject_op)))
     table.update(grads)
     table.update({n: c for n, c in models.items() if not n.endswith("interpret")})
   else:
