@@ -16,11 +16,11 @@ heads of o brought together for o_proj, the parameter gradients summed over the 
     outputs, stats = engine.generate(requests)
 
 `ShardedEngine` keeps every cache split: slots over "data" (device i of the axis owns slots
-[i S/P, (i+1) S/P)), value heads over "model", snapshots alike. The decode step splits its rows
-(one per slot) and their accepted counts over "data", so each row meets its slot and its
-snapshots on its own device. The packed prefill (B == 1 with cu_seqlens) cannot be split over
-sequences: it runs with heads over "model" only, each "data" shard prefilling every admitted
-sequence.
+[i S/P, (i+1) S/P)), value heads over "model", replay rings (or snapshots) alike. The decode
+step splits its rows (one per slot) and their accepted counts over "data", so each row meets
+its slot and its ring on its own device. The packed prefill (B == 1 with cu_seqlens) cannot be
+split over sequences: it runs with heads over "model" only, each "data" shard prefilling every
+admitted sequence.
 """
 from __future__ import annotations
 
@@ -106,7 +106,8 @@ def layer_ops_on(mesh, *, bitwise: bool = False):
 
   ops = dict(chunk_gated_delta_product=prefill,
              gated_delta_product_decode=lambda *a, **k: run(decode, a, k, P("data")),
-             _accept_state=sharded(gdp_jax.accept_draft_tokens, mesh, **kw))
+             _accept_state=sharded(gdp_jax.accept_draft_tokens, mesh, **kw),
+             _commit_state=sharded(gdp_jax.commit_replay, mesh, **kw))
   saved = {name: getattr(gflax, name) for name in ops}
   for name, op in ops.items():
     setattr(gflax, name, op)
@@ -157,38 +158,42 @@ def train_step(graphdef, mesh=None, *, learning_rate: float):
 def cache_shardings(caches, mesh):
   """NamedShardings of a tuple of `GDPCache`: slots over "data", value heads over "model".
 
-  The convolution inputs [S, W-1, C] are split over slots only: their channels C are the q, k
-  and v projections side by side, not blocks of heads.
+  The convolution inputs [S, W-1, C] and their ring [S, D, C] are split over slots only: their
+  channels C are the q, k and v projections side by side, not blocks of heads. The replay ring's
+  keys [S, R, H, K] are split over "model" where it divides H, as the sharded op splits them,
+  else kept whole on every head shard.
   """
+  slots = NamedSharding(mesh, P("data"))
+  heads = NamedSharding(mesh, P("data", None, "model"))
+
+  def ring(r):
+    if r is None:
+      return None
+    keys = heads if r[0].shape[2] % mesh.shape["model"] == 0 else slots
+    return (keys,) + tuple(None if x is None else heads for x in r[1:])
+
   def one(c):
-    state = NamedSharding(mesh, P("data", "model"))
-    slots = NamedSharding(mesh, P("data"))
     return gflax.GDPCache(
-        state, None if c.conv is None else slots,
-        None if c.state_snapshots is None else NamedSharding(mesh, P("data", None, "model")),
-        None if c.conv_snapshots is None else slots)
+        NamedSharding(mesh, P("data", "model")), None if c.conv is None else slots,
+        None if c.state_snapshots is None else heads,
+        None if c.conv_snapshots is None else slots, ring(c.ring),
+        None if c.conv_ring is None else slots)
   return tuple(one(c) for c in caches)
 
 
 class ShardedEngine(em.Engine):
   """`examples.tiny_lm.Engine` with its caches and steps split over `mesh`.
 
-  Same arguments as `Engine` after `mesh` (a `make_mesh` mesh) but replay, which must stay
-  False; num_slots must be a multiple of the size of "data" and the layers' HV of the size of
+  Same arguments as `Engine` after `mesh` (a `make_mesh` mesh), replay caches by default;
+  num_slots must be a multiple of the size of "data" and the layers' HV of the size of
   "model". The steps trace with `layer_ops_on(mesh, bitwise=True)`: on the reference backend the
   generated tokens are the unsharded engine's and the caches equal its caches to a few float32
   ulp, bit for bit where XLA fuses both programs alike (tests/test_sharding.py); on the kernels
   the same tokens up to float32 rounding of the logits.
   """
 
-  def __init__(self, model: em.TinyLM, mesh, *, drafter=em.bigram_drafter, replay=False,
-               **kwargs):
-    # gdp_jax.sharding splits the decode step's cache and snapshots, not a replay ring: the
-    # sharded engine speculates from per-token snapshots.
-    if replay:
-      raise ValueError("replay: ShardedEngine keeps per-token snapshots (replay=False); "
-                       "gdp_jax.sharding.sharded does not split the decode step's replay_ring")
-    super().__init__(model, drafter=drafter, replay=False, **kwargs)
+  def __init__(self, model: em.TinyLM, mesh, *, drafter=em.bigram_drafter, **kwargs):
+    super().__init__(model, drafter=drafter, **kwargs)
     self.mesh = mesh
     rep, rows = replicated(mesh), batch_sharding(mesh)
     caches = cache_shardings(self.caches, mesh)

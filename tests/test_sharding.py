@@ -3,9 +3,9 @@
 Also the training path (jax.vjp through the sharded prefill: forward bitwise, gradients within
 float32 tolerance, no collective in the compiled gradient but the documented key-head sum), and
 the example model of examples/sharded_lm.py on 2- and 4-device meshes: its SGD step equals the
-one-device step and lowers the loss, its serving engine (packed prefill, speculative decode
-from the accepted snapshots) generates the same tokens and leaves the same caches (within a few
-float32 ulp: ENGINE_RTOL).
+one-device step and lowers the loss, its serving engine (packed prefill, speculative decode by
+checkpoint and replay) generates the same tokens and leaves the same caches and rings (within a
+few float32 ulp: ENGINE_RTOL).
 
 The CPU cases need 4 host devices, i.e. XLA_FLAGS=--xla_force_host_platform_device_count=4 before
 jax creates its CPU backend; conftest.py has created it by the time this file is collected, so
@@ -537,9 +537,10 @@ def _child_main(backend):
     drafts = em.bigram_drafter(model, tokens, n)
     return jnp.where((drafts + tokens[:, None]) % 3 == 0, (drafts + 1) % model.vocab_size, drafts)
 
-  # Snapshot caches on both sides: the sharded engine does not replay (examples/sharded_lm.py).
+  # Replay caches on both sides (the engines' default): every step replays the last one's
+  # accepted tokens from the rings, split over slots and heads like the state.
   engine_kw = dict(num_slots=4, num_draft=3, max_prefill_tokens=24, max_prefill_seqs=2,
-                   drafter=drafter, replay=False)
+                   drafter=drafter)
 
   @functools.lru_cache(maxsize=None)
   def unsharded_serving():
@@ -571,6 +572,9 @@ def _child_main(backend):
     spec = engine.caches[0].state.sharding.spec
     if tuple(spec) != ("data", "model"):
       return f"the state cache came back as {spec}"
+    spec = engine.caches[0].ring[1].sharding.spec
+    if tuple(spec) != ("data", None, "model"):
+      return f"the ring's values came back as {spec}"
     return None
 
   table = dict(zip(CASES, (case_recurrent_heads, case_recurrent_batch_heads, case_recurrent_h1,
