@@ -621,8 +621,7 @@ class GatedDeltaProduct(nnx.Module):
     """
     if cache.ring is not None:
       return self._decode_replay(x, cache, slots, num_accepted)
-    N, D, _ = x.shape
-    M, HV = self.num_householder, self.num_v_heads
+    D = x.shape[1]
     snaps = cache.state_snapshots
     if snaps is not None and snaps.shape[1] != D:
       raise ValueError(f"x: the cache keeps snapshots for D = {snaps.shape[1]} draft tokens, got "
@@ -647,21 +646,15 @@ class GatedDeltaProduct(nnx.Module):
         conv_snaps = _write_rows(conv_snaps, slots, windows)
     else:
       ya = jax.nn.silu(xa)
-    q, k, v = self._split_heads(ya, (N, D))
-    beta, g = self._gates(x)
-    out = gated_delta_product_decode(
-        q, k.reshape(N, D * M, *k.shape[3:]), v.reshape(N, D * M, *v.shape[3:]), g,
-        beta.reshape(N, D * M, HV), num_householder=M, state=cache.state,
-        state_indices=slots.astype(jnp.int32), intermediate_states=snaps,
-        num_accepted=num_accepted, use_qk_l2norm_in_kernel=True, backend=self.backend)
+    out = self._recurrence(x, ya, cache.state, slots, intermediate_states=snaps,
+                           num_accepted=num_accepted)
     y = self._output(out[0], x)
     new_cache = GDPCache(out[1], conv, out[2] if snaps is not None else None, conv_snaps)
     return y, new_cache
 
   def _decode_replay(self, x, cache, slots, num_accepted):
     N, D, _ = x.shape
-    M, HV = self.num_householder, self.num_v_heads
-    ring_d = cache.ring[0].shape[1] // M
+    ring_d = cache.ring[0].shape[1] // self.num_householder
     if ring_d != D:
       raise ValueError(f"x: the cache's replay ring holds D = {ring_d} draft tokens per slot, got "
                        f"x of shape {list(x.shape)} (D = {D}); use a cache with "
@@ -684,15 +677,24 @@ class GatedDeltaProduct(nnx.Module):
       conv_ring = _write_rows(conv_ring, slots, xa)
     else:
       ya = jax.nn.silu(xa)
-    q, k, v = self._split_heads(ya, (N, D))
-    beta, g = self._gates(x)
-    o, state, ring = gated_delta_product_decode(
-        q, k.reshape(N, D * M, *k.shape[3:]), v.reshape(N, D * M, *v.shape[3:]), g,
-        beta.reshape(N, D * M, HV), num_householder=M, state=cache.state,
-        state_indices=slots.astype(jnp.int32), num_accepted=num_accepted,
-        replay_ring=cache.ring, use_qk_l2norm_in_kernel=True, backend=self.backend)
+    o, state, ring = self._recurrence(x, ya, cache.state, slots, num_accepted=num_accepted,
+                                      replay_ring=cache.ring)
     return self._output(o, x), cache._replace(state=state, conv=conv, ring=ring,
                                               conv_ring=conv_ring)
+
+  def _recurrence(self, x, ya, state, slots, **speculation):
+    """The decode kernel on the convolution's output ya [N, D, C] of tokens x, each token's M
+    keys, values and betas unfolded into D*M steps; `speculation`: its snapshot or replay
+    arguments."""
+    N, D = x.shape[:2]
+    M, HV = self.num_householder, self.num_v_heads
+    q, k, v = self._split_heads(ya, (N, D))
+    beta, g = self._gates(x)
+    return gated_delta_product_decode(
+        q, k.reshape(N, D * M, *k.shape[3:]), v.reshape(N, D * M, *v.shape[3:]), g,
+        beta.reshape(N, D * M, HV), num_householder=M, state=state,
+        state_indices=slots.astype(jnp.int32), use_qk_l2norm_in_kernel=True,
+        backend=self.backend, **speculation)
 
   def commit_replay(self, cache: GDPCache, slots, num_accepted) -> GDPCache:
     """Folds each slot's accepted tokens of the last `decode` into a replay cache's checkpoint.
