@@ -31,8 +31,10 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # noqa: E402
 import train  # noqa: E402
 
-# The backward's Triton kernels, whose time the closing table lists per run.
-BWD_KERNELS = ("chunk_dv_local", "chunk_h_bwd", "chunk_o_bwd", "chunk_wy_bwd", "qk_bwd")
+# The Triton kernels whose time the closing table lists per run: the backward's, and the
+# forward's stages 2 and 3, which the training forward runs too.
+KERNELS = ("chunk_kkt", "chunk_solve", "chunk_dv_local", "chunk_h_bwd", "chunk_o_bwd",
+               "chunk_wy_bwd", "qk_bwd")
 
 
 def parse_variant(text: str) -> dict:
@@ -71,8 +73,8 @@ def rel_err(a, b) -> float:
 
 
 def kernel_us(prof: dict, per: int) -> dict:
-  """Device time per step of each backward kernel (summed over its launches)."""
-  return {k: sum(e["us"] for e in prof["kernels"] if k in e["name"]) / per for k in BWD_KERNELS}
+  """Device time per step of each listed kernel (summed over its launches)."""
+  return {k: sum(e["us"] for e in prof["kernels"] if k in e["name"]) / per for k in KERNELS}
 
 
 def main():
@@ -153,9 +155,9 @@ def main():
           json.dump(dict(meta=dict(commit=common.git_commit(), dtype=args.dtype), runs=table),
                     fh, indent=1)
     print(f"\n-- row {i} {r}: step ms, backward kernels us per step, gradient error vs default")
-    print("   " + f"{'run':<44} {'ms':>7} " + " ".join(f"{k:>14}" for k in BWD_KERNELS))
+    print("   " + f"{'run':<44} {'ms':>7} " + " ".join(f"{k:>14}" for k in KERNELS))
     for name, ms, us, errs in summary:
-      print(f"   {name[:44]:<44} {ms:7.3f} " + " ".join(f"{us[k]:14.1f}" for k in BWD_KERNELS)
+      print(f"   {name[:44]:<44} {ms:7.3f} " + " ".join(f"{us[k]:14.1f}" for k in KERNELS)
             + (f"   {errs}" if errs else ""))
 
 

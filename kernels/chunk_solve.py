@@ -3,12 +3,12 @@
 I + A is unit lower triangular, and so is its inverse X. Both are split into a 4x4 grid of
 16x16 blocks (docs/algorithm.md §4.5):
 
-1. Diagonal blocks by forward substitution (vector work): X_pp = I + L_p with L_p strictly
-   lower; starting from L_p = -strict_lower(A_pp), row i becomes a_i + a_i @ L_p for
-   i = 2..15, where a_i is row i of the start value (rows < i are final by then). a_i is read
-   again from A (an L1 hit) rather than picked out of the register tile, which would take a
-   second cross-thread reduction per row. The four blocks are independent and advance
-   together (four dependency chains in flight); the loop stops at the chunk's valid rows.
+1. Diagonal blocks by forward substitution, with no reduction in the chain: row i of block p
+   is x_i = e_i - sum_{j<i} A_pp[i, j] x_j. The rows are [64] vectors over the chunk's columns
+   (column c in block c // 16), so the four blocks advance together and each lane owns its
+   columns: a step is one multiply-add per column, the dependent chain one multiply-add per
+   row, and the entries of A are per-lane gathers (L1 hits) that depend on nothing computed.
+   The rows are then joined into the four 16x16 tiles the products take.
 2. Off-diagonal blocks column by column, each column top down (docs/algorithm.md lists them by
    distance from the diagonal; any order in which every X_mq is final before it is used takes
    the same products, and this one keeps fewer tiles live, see below):
@@ -50,14 +50,33 @@ def _store_block(p_Ai, b_X, i_p, i_q, n, STRIDE: tl.constexpr):
 
 
 @triton.jit
-def _substitute_row(b_L, p_A, i_p, i, o_i, n, STRIDE: tl.constexpr):
-  """Row i of block p's L becomes a_i + a_i @ L, a_i = -(row i of A_pp, strictly lower part);
-  a row at or past n stays zero."""
-  r = i_p * 16 + i
-  b_a = -tl.load(p_A + r * STRIDE + i_p * 16 + o_i, mask=o_i < tl.where(r < n, i, 0), other=0.)
-  b_a = b_a.to(tl.float32)
-  b_a = b_a + tl.sum(b_a[:, None] * b_L, 0)
-  return tl.where((o_i == i)[:, None], b_a[None, :], b_L)
+def _diag_by_columns(p_A, n, STRIDE: tl.constexpr):
+  """The four diagonal 16x16 blocks of X = (I + A)^-1 (step 1 of the module docstring), as
+  [16, 16] tiles (X_00, X_11, X_22, X_33)."""
+  o_c = tl.arange(0, 64)
+  base = (o_c // 16) * 16
+  loc = o_c % 16
+  xs = ()
+  for i in tl.static_range(16):
+    x = tl.where(loc == i, 1., 0.)
+    # A row at or past n reads zeros: an identity row, finite and never stored.
+    live = base + i < n
+    for j in tl.static_range(i):
+      a = tl.load(p_A + (base + i) * STRIDE + base + j, mask=live, other=0.).to(tl.float32)
+      x = x - a * xs[j]
+    xs = xs + (x,)
+  # [64 columns, 16 rows] by joining: the join order makes the flat index of the trailing four
+  # axes 8 b0 + 4 b1 + 2 b2 + b3 = i.
+  y0 = tl.join(tl.join(tl.join(xs[0], xs[8]), tl.join(xs[4], xs[12])),
+               tl.join(tl.join(xs[2], xs[10]), tl.join(xs[6], xs[14])))
+  y1 = tl.join(tl.join(tl.join(xs[1], xs[9]), tl.join(xs[5], xs[13])),
+               tl.join(tl.join(xs[3], xs[11]), tl.join(xs[7], xs[15])))
+  t = tl.reshape(tl.join(y0, y1), [2, 2, 16, 16])  # (c // 32, c // 16 % 2, c % 16, i)
+  t = tl.permute(t, [3, 2, 0, 1])                      # (i, c % 16, c // 32, c // 16 % 2)
+  t_even, t_odd = tl.split(t)
+  b_X00, b_X22 = tl.split(t_even)
+  b_X11, b_X33 = tl.split(t_odd)
+  return b_X00, b_X11, b_X22, b_X33
 
 
 @triton.jit
@@ -86,32 +105,13 @@ def chunk_solve_fwd_kernel(
   p_A = A + row0 * (HV * BT) + i_hv * BT
   p_Ai = Ai + row0 * (HV * BT) + i_hv * BT
 
-  o_i = tl.arange(0, 16)
-  m_strict = o_i[:, None] > o_i[None, :]
-  m_diag = o_i[:, None] == o_i[None, :]
-
-  b_L0 = -tl.where(m_strict, _load_block(p_A, 0, 0, n, HV * BT), 0.)
-  b_L1 = -tl.where(m_strict, _load_block(p_A, 1, 1, n, HV * BT), 0.)
-  b_L2 = -tl.where(m_strict, _load_block(p_A, 2, 2, n, HV * BT), 0.)
-  b_L3 = -tl.where(m_strict, _load_block(p_A, 3, 3, n, HV * BT), 0.)
-  # Rows 0 and 1 of each L are final already. Rows at or past n are zero and stay zero, so the
-  # loop stops at n; block 0 holds the most valid rows, so its count bounds all four.
-  for i in range(2, tl.minimum(n, 16)):
-    b_L0 = _substitute_row(b_L0, p_A, 0, i, o_i, n, HV * BT)
-    b_L1 = _substitute_row(b_L1, p_A, 1, i, o_i, n, HV * BT)
-    b_L2 = _substitute_row(b_L2, p_A, 2, i, o_i, n, HV * BT)
-    b_L3 = _substitute_row(b_L3, p_A, 3, i, o_i, n, HV * BT)
-  b_X00 = tl.where(m_diag, 1., b_L0)
-  b_X11 = tl.where(m_diag, 1., b_L1)
-  b_X22 = tl.where(m_diag, 1., b_L2)
-  b_X33 = tl.where(m_diag, 1., b_L3)
+  b_X00, b_X11, b_X22, b_X33 = _diag_by_columns(p_A, n, HV * BT)
 
   # Column by column, each block of A loaded just before its first product and each X block
-  # stored as soon as it is final, so few 16x16 tiles are live at once: 128 registers (16
-  # one-warp programs per SM), where all six A blocks loaded up front and the products taken by
-  # distance from the diagonal needed 225 (8 per SM). The stage is latency-bound, so more
-  # resident programs hide more of it: 80.9 against 92.5 us at B=1 T=8192 on the H200. The
-  # products themselves, and so the bits, are the same in either order.
+  # stored as soon as it is final, so few 16x16 tiles are live at once. The stage is
+  # latency-bound, so more resident programs hide more of it: 80.9 against 92.5 us at B=1
+  # T=8192 on the H200 (all six A blocks loaded up front, products by distance from the
+  # diagonal). The products themselves, and so the bits, are the same in either order.
   P: tl.constexpr = DOT_PRECISION
   b_0 = tl.zeros([16, 16], dtype=tl.float32)
   _store_block(p_Ai, b_X00, 0, 0, n, HV * BT)
