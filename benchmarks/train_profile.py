@@ -77,6 +77,23 @@ def kernel_us(prof: dict, per: int) -> dict:
   return {k: sum(e["us"] for e in prof["kernels"] if k in e["name"]) / per for k in KERNELS}
 
 
+def jla_runs(r: dict, h: dict, dt, do, smoke: bool):
+  """("jla fwd", f) and ("jla fwd+bwd", f), f(x) on the inputs x of our runs: jla's forward and
+  the jitted value_and_grad of <o, do> through it (packed rows by segment ids)."""
+  import jax
+  import jax.numpy as jnp
+  op, _ = train.jax_op("jla", r, "reference" if smoke else "triton")
+  kw = {"segment_ids": jnp.asarray(h["segment_ids"])} if "segment_ids" in h else {}
+
+  def fwd(x):
+    return op(x["q"], x["k"], x["v"], x["g"], x["beta"], **kw)
+
+  def loss(x):
+    return jnp.sum(fwd(x).astype(jnp.float32) * do.astype(jnp.float32))
+
+  return [("jla fwd", jax.jit(fwd)), ("jla fwd+bwd", jax.jit(jax.value_and_grad(loss)))]
+
+
 def main():
   p = argparse.ArgumentParser()
   p.add_argument("--rows", default="0")
@@ -89,6 +106,9 @@ def main():
                       "nothing of interest)")
   p.add_argument("--json", default=None,
                  help="also write each run's step ms and backward kernel us to this file")
+  p.add_argument("--jla", action="store_true",
+                 help="also profile jax-linear-attention's forward and fwd+bwd on the same inputs "
+                      "(its Mosaic GPU kernels; with --smoke its jnp reference)")
   p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"),
                  help="of q, k, v, beta and the output cotangent (g stays float32)")
   args = p.parse_args()
@@ -154,6 +174,29 @@ def main():
         with open(args.json, "w") as fh:
           json.dump(dict(meta=dict(commit=common.git_commit(), dtype=args.dtype), runs=table),
                     fh, indent=1)
+    try:
+      extra = jla_runs(r, h, dt, do, smoke=args.smoke) if args.jla else []
+    except ImportError as e:
+      print(f"\n-- jla: not installed ({e})")
+      extra = []
+    if extra:
+      for name, f in extra:
+        try:
+          jax.block_until_ready(f(x))
+          ms = common.time_jax(lambda: f(x))["ms"]
+          prof = common.profile_jax(lambda: f(x), calls=calls)
+        except Exception as e:  # jla refuses the shape (K = 256) or is not installed
+          print(f"\n-- {name} row {i}: {type(e).__name__}: {str(e)[:300]}")
+          continue
+        common.print_profile(f"{name} row {i} {r} {args.dtype}: {ms:.3f} ms", prof, per=calls,
+                             top=args.top)
+        if args.json:
+          top = ", ".join(f"{k['name']} {k['us'] / calls:.1f}" for k in prof["kernels"][:args.top])
+          table.append(dict(row=i, run=name, variant=None, ms=ms, kernel_us={},
+                            grad_err_vs_default="", kernels=top))
+          with open(args.json, "w") as fh:
+            json.dump(dict(meta=dict(commit=common.git_commit(), dtype=args.dtype), runs=table),
+                      fh, indent=1)
     print(f"\n-- row {i} {r}: step ms, backward kernels us per step, gradient error vs default")
     print("   " + f"{'run':<44} {'ms':>7} " + " ".join(f"{k:>14}" for k in KERNELS))
     for name, ms, us, errs in summary:
