@@ -72,7 +72,7 @@ def _diag_by_columns(p_A, n, STRIDE: tl.constexpr):
   y1 = tl.join(tl.join(tl.join(xs[1], xs[9]), tl.join(xs[5], xs[13])),
                tl.join(tl.join(xs[3], xs[11]), tl.join(xs[7], xs[15])))
   t = tl.reshape(tl.join(y0, y1), [2, 2, 16, 16])  # (c // 32, c // 16 % 2, c % 16, i)
-  t = tl.permute(t, [3, 2, 0, 1])                      # (i, c % 16, c // 32, c // 16 % 2)
+  t = tl.permute(t, [3, 2, 0, 1])                  # (i, c % 16, c // 32, c // 16 % 2)
   t_even, t_odd = tl.split(t)
   b_X00, b_X22 = tl.split(t_even)
   b_X11, b_X33 = tl.split(t_odd)
