@@ -34,7 +34,7 @@ import train  # noqa: E402
 # The Triton kernels whose time the closing table lists per run: the backward's, and the
 # forward's stages 2 and 3, which the training forward runs too.
 KERNELS = ("chunk_kkt", "chunk_solve", "chunk_dv_local", "chunk_h_bwd", "chunk_o_bwd",
-               "chunk_wy_bwd", "qk_bwd")
+           "chunk_wy_bwd", "qk_bwd")
 
 
 def parse_variant(text: str) -> dict:
@@ -122,6 +122,28 @@ def main():
   calls = 1 if args.smoke else 3
   rows = train.shapes(smoke=args.smoke)
   table = []
+
+  def save(**entry):
+    """Adds one run to the --json file, rewritten after every run."""
+    if args.json:
+      table.append(entry)
+      with open(args.json, "w") as fh:
+        json.dump(dict(meta=dict(commit=common.git_commit(), dtype=args.dtype), runs=table),
+                  fh, indent=1)
+
+  def measure(title, f, x):
+    """(f(x), ms per call, kernel profile) with the profile printed, or None where f fails (a
+    variant that does not compile or fit, a shape jla refuses): reported, and the rows go on."""
+    try:
+      out = jax.block_until_ready(f(x))
+      ms = common.time_jax(lambda: f(x))["ms"]
+      prof = common.profile_jax(lambda: f(x), calls=calls)
+    except Exception as e:
+      print(f"\n-- {title}: {type(e).__name__}: {str(e)[:300]}")
+      return None
+    common.print_profile(f"{title} {args.dtype}: {ms:.3f} ms", prof, per=calls, top=args.top)
+    return out, ms, prof
+
   for i in map(int, args.rows.split(",")):
     r = rows[i]
     K, M = r["K"], r["M"]
@@ -150,15 +172,10 @@ def main():
     runs += [(f"fwd+bwd {var}", step_under(var)[0], var) for var in variants]
     ref_grads, summary = None, []
     for name, f, var in runs:
-      try:
-        out = jax.block_until_ready(f(x))
-        ms = common.time_jax(lambda: f(x))["ms"]
-        prof = common.profile_jax(lambda: f(x), calls=calls)
-      except Exception as e:  # a variant that does not compile or fit: report, go on
-        print(f"\n-- {name} row {i}: {type(e).__name__}: {str(e)[:300]}")
+      got = measure(f"{name} row {i} {r}", f, x)
+      if got is None:
         continue
-      common.print_profile(f"{name} row {i} {r} {args.dtype}: {ms:.3f} ms", prof, per=calls,
-                           top=args.top)
+      out, ms, prof = got
       errs = ""
       if var is not None:
         grads = out[1]
@@ -168,35 +185,20 @@ def main():
           errs = " ".join(f"d{n} {rel_err(grads[n], ref_grads[n]):.1e}" for n in grads)
           print(f"   gradients against the default config's: {errs}")
       summary.append((name, ms, kernel_us(prof, calls), errs))
-      if args.json:
-        table.append(dict(row=i, run=name, variant=var, ms=ms, kernel_us=kernel_us(prof, calls),
-                          grad_err_vs_default=errs))
-        with open(args.json, "w") as fh:
-          json.dump(dict(meta=dict(commit=common.git_commit(), dtype=args.dtype), runs=table),
-                    fh, indent=1)
+      save(row=i, run=name, variant=var, ms=ms, kernel_us=kernel_us(prof, calls),
+           grad_err_vs_default=errs)
     try:
       extra = jla_runs(r, h, dt, do, smoke=args.smoke) if args.jla else []
     except ImportError as e:
       print(f"\n-- jla: not installed ({e})")
       extra = []
-    if extra:
-      for name, f in extra:
-        try:
-          jax.block_until_ready(f(x))
-          ms = common.time_jax(lambda: f(x))["ms"]
-          prof = common.profile_jax(lambda: f(x), calls=calls)
-        except Exception as e:  # jla refuses the shape (K = 256) or is not installed
-          print(f"\n-- {name} row {i}: {type(e).__name__}: {str(e)[:300]}")
-          continue
-        common.print_profile(f"{name} row {i} {r} {args.dtype}: {ms:.3f} ms", prof, per=calls,
-                             top=args.top)
-        if args.json:
-          top = ", ".join(f"{k['name']} {k['us'] / calls:.1f}" for k in prof["kernels"][:args.top])
-          table.append(dict(row=i, run=name, variant=None, ms=ms, kernel_us={},
-                            grad_err_vs_default="", kernels=top))
-          with open(args.json, "w") as fh:
-            json.dump(dict(meta=dict(commit=common.git_commit(), dtype=args.dtype), runs=table),
-                      fh, indent=1)
+    for name, f in extra:
+      got = measure(f"{name} row {i} {r}", f, x)
+      if got is not None:
+        _, ms, prof = got
+        top = ", ".join(f"{k['name']} {k['us'] / calls:.1f}" for k in prof["kernels"][:args.top])
+        save(row=i, run=name, variant=None, ms=ms, kernel_us={}, grad_err_vs_default="",
+             kernels=top)
     print(f"\n-- row {i} {r}: step ms, backward kernels us per step, gradient error vs default")
     print("   " + f"{'run':<44} {'ms':>7} " + " ".join(f"{k:>14}" for k in KERNELS))
     for name, ms, us, errs in summary:
