@@ -86,6 +86,8 @@ _RING_PARTS = _checks.RING_NAMES
 _ARG_ROLES.update(zip(_RING_PARTS, (("s", "r", "hk", "k"), ("s", "r", "h", "v"), ("s", "r", "h"),
                                     ("s", "r", "h"))))
 _CACHE = ("s", "h", "k", "v")
+# The ops on a cache alone: their batch is num_accepted's N, their value heads the state's HV.
+_CACHE_OPS = ("accept", "commit")
 
 
 def _kinds():
@@ -109,7 +111,7 @@ def _kinds():
 
 def _out_roles(kind, a):
   """Roles of the op's outputs, in the op's output structure (None where it returns None)."""
-  if kind in ("accept", "commit"):
+  if kind in _CACHE_OPS:
     return _CACHE
   o = ("b", "t", "h", "v")
   if a.get("state") is not None:
@@ -191,7 +193,7 @@ class _Plan:
         raise ValueError(
             f"cu_seqlens: packed sequences (B == 1) cannot be split over batch_axis={batch!r}; "
             "use head_axis only (batch_axis=None), or give each batch shard its own pack")
-      lead = "num_accepted" if kind in ("accept", "commit") else "v"
+      lead = "num_accepted" if kind in _CACHE_OPS else "v"
       n = a[lead].shape[0]
       if n % self.pb:
         raise ValueError(
@@ -211,7 +213,7 @@ class _Plan:
             f"{a['intermediate_states'].shape[0]}; pass state and state_indices instead")
     self.key_mode = "shard"
     if self.head_axes:
-      by_state = kind in ("accept", "commit")
+      by_state = kind in _CACHE_OPS
       hv_arg = "state" if by_state else "v"
       HV = a[hv_arg].shape[1 if by_state else 2]
       if HV % self.ph:
@@ -441,7 +443,7 @@ def _local_slots(la, plan):
   S_l = la["state"].shape[0]
   glob = la.get("state_indices")
   if glob is None:
-    n_l = (la["num_accepted"] if plan.kind in ("accept", "commit") else la["v"]).shape[0]
+    n_l = (la["num_accepted"] if plan.kind in _CACHE_OPS else la["v"]).shape[0]
     glob = i * n_l + jnp.arange(n_l, dtype=jnp.int32)
   loc = glob.astype(jnp.int32) - i * S_l
   # A slot owned by another shard would need communication: it becomes padding here.
