@@ -73,6 +73,9 @@ class FwdConfig(NamedTuple):
   # 0.702 / 0.786 / 0.531 ms at B=8 T=4096 H=32 and 0.100 / 0.114 / 0.079 ms at B=1 T=8192;
   # ptxas: tf32x3 at one warp has no spills where ieee spills 840 B.
   solve_precision: str = "tf32x3"
+  # kkt_solve=1: stage 3 inside stage 2's program (A never leaves it; kernels/chunk_kkt.py),
+  # at kkt_warps. 0: its own kernel at solve_warps.
+  kkt_solve: int = 0
   # Every dot of every kernel (the solve's and the chain's included) on float32 inputs:
   # "tf32x3" (three TF32 tensor-core products, float32-level accuracy, docs/algorithm.md §4.5;
   # every float32 GPU test passes under it on the H200) or "ieee" (exact float32 products on
@@ -259,18 +262,22 @@ _f32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)
 
 
 def _kkt_launch(k, beta, g, cu, desc, *, HV, M, l2norm, config: FwdConfig,
-                store_kn=False) -> KernelCall:
+                store_kn=False, solve=False) -> KernelCall:
+  """Stage 2; with `solve`, stages 2 and 3: the first output is then Ai in k's dtype."""
   TM, H, K = k.shape
   store_kn = store_kn and l2norm
   return KernelCall(
       "chunk_kkt.chunk_kkt_fwd_kernel", (k, beta, _opt(g), cu, desc),
-      (_f32(TM, HV, BT), _f32(TM, HV) if g is not None else _f32(1),
+      (jax.ShapeDtypeStruct((TM, HV, BT), k.dtype) if solve else _f32(TM, HV, BT),
+       _f32(TM, HV) if g is not None else _f32(1),
        _f32(TM, H) if l2norm else _f32(1),
        jax.ShapeDtypeStruct((TM, H, K), k.dtype) if store_kn else _f32(1)),
       grid=(desc.shape[0], HV), num_warps=config.kkt_warps,
       constexprs=dict(H=H, HV=HV, K=K, M=M, BT=BT, BK=_block(K, config.kkt_bk),
                       USE_G=g is not None, USE_RNORM=l2norm, STORE_KN=store_kn,
-                      DOT_PRECISION=_dot_precision(k.dtype, config.f32_precision)))
+                      DOT_PRECISION=_dot_precision(k.dtype, config.f32_precision),
+                      SOLVE=solve, SOLVE_PRECISION=_dot_precision(
+                          k.dtype, config.f32_precision, config.solve_precision)))
 
 
 def _kkt(k, beta, g, cu, desc, *, HV, M, backend, l2norm=False, config=FwdConfig()):
@@ -533,12 +540,13 @@ def _chunk_gated_delta_product_fwd(
   if g is not None:
     g = g.reshape(B * T, HV).astype(jnp.float32)
 
+  fused = bool(config.kkt_solve)
   A, gx, rk, kn = _kkt_launch(k, beta, g, cu, desc_x, HV=HV, M=M,
                               l2norm=use_qk_l2norm_in_kernel, config=config,
-                              store_kn=return_residuals).run(backend)
+                              store_kn=return_residuals, solve=fused).run(backend)
   gx = gx if g is not None else None
   rk = rk if use_qk_l2norm_in_kernel else None
-  Ai = _solve(A, cu, desc_x, M=M, dtype=dtype, backend=backend, config=config)
+  Ai = A if fused else _solve(A, cu, desc_x, M=M, dtype=dtype, backend=backend, config=config)
 
   if state is not None:
     h0, final_kind = state, "cache"

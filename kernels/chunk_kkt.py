@@ -33,6 +33,69 @@ import triton
 import triton.language as tl
 
 from ._common import chunk_decays, chunk_span
+from .chunk_solve import diag_by_columns, mm, store_block
+
+
+@triton.jit
+def _quarters(t):
+  """[16, 16, 2, 2] -> its four [16, 16] slices, in the order of the flat last two axes."""
+  t0, t1 = tl.split(t)
+  t00, t10 = tl.split(t0)
+  t01, t11 = tl.split(t1)
+  return t00, t01, t10, t11
+
+
+@triton.jit
+def _solve_tile(b_A, p_Ai, n, HV: tl.constexpr, BT: tl.constexpr, P: tl.constexpr):
+  """Stage 3 on this program's A tile (kernels/chunk_solve.py, the same steps and products):
+  stores Ai = (I + A)^-1 at p_Ai, rows at or past n untouched.
+
+  The diagonal blocks' substitution gathers entries of A per lane, which a register tile cannot
+  give, so they go through memory: Ai's own rows, reinterpreted as float32, hold the 16 entries
+  of each row's diagonal block until the inverse overwrites them. Those bytes are this program's
+  and stay in cache; A itself is never written, nor read back.
+  """
+  o_r = tl.arange(0, BT)
+  STRIDE: tl.constexpr = HV * BT
+  DS: tl.constexpr = STRIDE * p_Ai.dtype.element_ty.primitive_bitwidth // 32
+  p_D = p_Ai.to(tl.pointer_type(tl.float32))
+  m_D = ((o_r[:, None] // 16) == (o_r[None, :] // 16)) & (o_r < n)[:, None]
+  tl.store(p_D + (o_r[:, None] * DS + o_r[None, :] % 16), b_A, mask=m_D)
+  tl.debug_barrier()
+  b_X00, b_X11, b_X22, b_X33 = diag_by_columns(p_D, n, DS, True)
+  # Every lane has read its entries before any overwrites them.
+  tl.debug_barrier()
+  # The lower blocks, cut from the tile: (i, j, p // 2, p % 2, q // 2, q % 2) for block (p, q).
+  t = tl.permute(tl.reshape(b_A, [2, 2, 16, 2, 2, 16]), [2, 5, 0, 1, 3, 4])
+  t_even, t_odd = tl.split(t)          # q % 2 = 0, 1
+  t_q0, t_q2 = tl.split(t_even)         # q // 2 = 0, 1
+  t_q1, _ = tl.split(t_odd)
+  _, b_A10, b_A20, b_A30 = _quarters(t_q0)
+  _, _, b_A21, b_A31 = _quarters(t_q1)
+  _, _, _, b_A32 = _quarters(t_q2)
+  b_0 = tl.zeros([16, 16], dtype=tl.float32)
+  store_block(p_Ai, b_X00, 0, 0, n, STRIDE)
+  store_block(p_Ai, b_0, 0, 1, n, STRIDE)
+  store_block(p_Ai, b_0, 0, 2, n, STRIDE)
+  store_block(p_Ai, b_0, 0, 3, n, STRIDE)
+  store_block(p_Ai, b_X11, 1, 1, n, STRIDE)
+  store_block(p_Ai, b_0, 1, 2, n, STRIDE)
+  store_block(p_Ai, b_0, 1, 3, n, STRIDE)
+  store_block(p_Ai, b_X22, 2, 2, n, STRIDE)
+  store_block(p_Ai, b_0, 2, 3, n, STRIDE)
+  store_block(p_Ai, b_X33, 3, 3, n, STRIDE)
+  b_X10 = -mm(b_X11, mm(b_A10, b_X00, P), P)
+  store_block(p_Ai, b_X10, 1, 0, n, STRIDE)
+  b_X20 = -mm(b_X22, mm(b_A20, b_X00, P) + mm(b_A21, b_X10, P), P)
+  store_block(p_Ai, b_X20, 2, 0, n, STRIDE)
+  b_X30 = -mm(b_X33, mm(b_A30, b_X00, P) + mm(b_A31, b_X10, P) + mm(b_A32, b_X20, P), P)
+  store_block(p_Ai, b_X30, 3, 0, n, STRIDE)
+  b_X21 = -mm(b_X22, mm(b_A21, b_X11, P), P)
+  store_block(p_Ai, b_X21, 2, 1, n, STRIDE)
+  b_X31 = -mm(b_X33, mm(b_A31, b_X11, P) + mm(b_A32, b_X21, P), P)
+  store_block(p_Ai, b_X31, 3, 1, n, STRIDE)
+  b_X32 = -mm(b_X33, mm(b_A32, b_X22, P), P)
+  store_block(p_Ai, b_X32, 3, 2, n, STRIDE)
 
 
 @triton.jit
@@ -44,7 +107,7 @@ def chunk_kkt_fwd_kernel(
     cu_seqlens,  # [N+1] int32 token-stream sequence starts
     chunk_desc,  # [NXD, 2] int32 (sequence, expanded chunk within it); sequence -1 = padding
     # outputs
-    A,           # [T*M, HV, BT] float32
+    A,           # [T*M, HV, BT] float32 A; with SOLVE, (I + A)^-1 in its own dtype instead
     g_cum,       # [T*M, HV] float32 Gx (log2 units) of every sequence row; unwritten without USE_G
     rk,          # [T*M, H] float32 1/|k| row factors; never written when USE_RNORM is False
     kn,          # [T*M, H, K] k rk in k's dtype; never written unless STORE_KN
@@ -60,6 +123,8 @@ def chunk_kkt_fwd_kernel(
     USE_RNORM: tl.constexpr,  # keys L2-normalised by row factors computed here
     STORE_KN: tl.constexpr,   # with USE_RNORM: store the normalised keys too
     DOT_PRECISION: tl.constexpr,  # "ieee" for float32 inputs, else the tensor-core default
+    SOLVE: tl.constexpr,          # stage 3 here too: A is never written
+    SOLVE_PRECISION: tl.constexpr,  # with SOLVE, chunk_solve's DOT_PRECISION
 ):
   i_d, i_hv = tl.program_id(0), tl.program_id(1)
   i_h = i_hv // (HV // H)
@@ -100,4 +165,7 @@ def chunk_kkt_fwd_kernel(
     b_A = b_A * tl.where(m_A, tl.exp2(b_g[:, None] - b_g[None, :]), 0.)
   b_A = tl.where(m_A, b_A * b_beta[:, None], 0.)
   p_A = A + row0 * (HV * BT) + i_hv * BT
-  tl.store(p_A + (o_r[:, None] * (HV * BT) + o_r[None, :]), b_A, mask=mask_r[:, None])
+  if SOLVE:
+    _solve_tile(b_A, p_A, n, HV, BT, SOLVE_PRECISION)
+  else:
+    tl.store(p_A + (o_r[:, None] * (HV * BT) + o_r[None, :]), b_A, mask=mask_r[:, None])

@@ -42,7 +42,7 @@ def _load_block(p_A, i_p, i_q, n, STRIDE: tl.constexpr):
 
 
 @triton.jit
-def _store_block(p_Ai, b_X, i_p, i_q, n, STRIDE: tl.constexpr):
+def store_block(p_Ai, b_X, i_p, i_q, n, STRIDE: tl.constexpr):
   o_i = tl.arange(0, 16)
   o_r = i_p * 16 + o_i
   p = p_Ai + o_r[:, None] * STRIDE + i_q * 16 + o_i[None, :]
@@ -50,11 +50,13 @@ def _store_block(p_Ai, b_X, i_p, i_q, n, STRIDE: tl.constexpr):
 
 
 @triton.jit
-def _diag_by_columns(p_A, n, STRIDE: tl.constexpr):
+def diag_by_columns(p_A, n, STRIDE: tl.constexpr, DIAG_ONLY: tl.constexpr):
   """The four diagonal 16x16 blocks of X = (I + A)^-1 (step 1 of the module docstring), as
-  [16, 16] tiles (X_00, X_11, X_22, X_33)."""
+  [16, 16] tiles (X_00, X_11, X_22, X_33). Row r of A at p_A + r * STRIDE holds its 64 entries,
+  or with DIAG_ONLY only the 16 of its diagonal block (chunk_kkt's fused solve)."""
   o_c = tl.arange(0, 64)
   base = (o_c // 16) * 16
+  col0 = 0 if DIAG_ONLY else base
   loc = o_c % 16
   xs = ()
   for i in tl.static_range(16):
@@ -62,7 +64,7 @@ def _diag_by_columns(p_A, n, STRIDE: tl.constexpr):
     # A row at or past n reads zeros: an identity row, finite and never stored.
     live = base + i < n
     for j in tl.static_range(i):
-      a = tl.load(p_A + (base + i) * STRIDE + base + j, mask=live, other=0.).to(tl.float32)
+      a = tl.load(p_A + (base + i) * STRIDE + col0 + j, mask=live, other=0.).to(tl.float32)
       x = x - a * xs[j]
     xs = xs + (x,)
   # [64 columns, 16 rows] by joining: the join order makes the flat index of the trailing four
@@ -80,7 +82,7 @@ def _diag_by_columns(p_A, n, STRIDE: tl.constexpr):
 
 
 @triton.jit
-def _mm(a, b, DOT_PRECISION: tl.constexpr):
+def mm(a, b, DOT_PRECISION: tl.constexpr):
   return tl.dot(a, b, input_precision=DOT_PRECISION)
 
 
@@ -105,7 +107,7 @@ def chunk_solve_fwd_kernel(
   p_A = A + row0 * (HV * BT) + i_hv * BT
   p_Ai = Ai + row0 * (HV * BT) + i_hv * BT
 
-  b_X00, b_X11, b_X22, b_X33 = _diag_by_columns(p_A, n, HV * BT)
+  b_X00, b_X11, b_X22, b_X33 = diag_by_columns(p_A, n, HV * BT, False)
 
   # Column by column, each block of A loaded just before its first product and each X block
   # stored as soon as it is final, so few 16x16 tiles are live at once. The stage is
@@ -114,34 +116,34 @@ def chunk_solve_fwd_kernel(
   # diagonal). The products themselves, and so the bits, are the same in either order.
   P: tl.constexpr = DOT_PRECISION
   b_0 = tl.zeros([16, 16], dtype=tl.float32)
-  _store_block(p_Ai, b_X00, 0, 0, n, HV * BT)
-  _store_block(p_Ai, b_0, 0, 1, n, HV * BT)
-  _store_block(p_Ai, b_0, 0, 2, n, HV * BT)
-  _store_block(p_Ai, b_0, 0, 3, n, HV * BT)
-  _store_block(p_Ai, b_X11, 1, 1, n, HV * BT)
-  _store_block(p_Ai, b_0, 1, 2, n, HV * BT)
-  _store_block(p_Ai, b_0, 1, 3, n, HV * BT)
-  _store_block(p_Ai, b_X22, 2, 2, n, HV * BT)
-  _store_block(p_Ai, b_0, 2, 3, n, HV * BT)
-  _store_block(p_Ai, b_X33, 3, 3, n, HV * BT)
+  store_block(p_Ai, b_X00, 0, 0, n, HV * BT)
+  store_block(p_Ai, b_0, 0, 1, n, HV * BT)
+  store_block(p_Ai, b_0, 0, 2, n, HV * BT)
+  store_block(p_Ai, b_0, 0, 3, n, HV * BT)
+  store_block(p_Ai, b_X11, 1, 1, n, HV * BT)
+  store_block(p_Ai, b_0, 1, 2, n, HV * BT)
+  store_block(p_Ai, b_0, 1, 3, n, HV * BT)
+  store_block(p_Ai, b_X22, 2, 2, n, HV * BT)
+  store_block(p_Ai, b_0, 2, 3, n, HV * BT)
+  store_block(p_Ai, b_X33, 3, 3, n, HV * BT)
   # column 0
   b_A10 = _load_block(p_A, 1, 0, n, HV * BT)
-  b_X10 = -_mm(b_X11, _mm(b_A10, b_X00, P), P)
-  _store_block(p_Ai, b_X10, 1, 0, n, HV * BT)
+  b_X10 = -mm(b_X11, mm(b_A10, b_X00, P), P)
+  store_block(p_Ai, b_X10, 1, 0, n, HV * BT)
   b_A20 = _load_block(p_A, 2, 0, n, HV * BT)
   b_A21 = _load_block(p_A, 2, 1, n, HV * BT)
-  b_X20 = -_mm(b_X22, _mm(b_A20, b_X00, P) + _mm(b_A21, b_X10, P), P)
-  _store_block(p_Ai, b_X20, 2, 0, n, HV * BT)
+  b_X20 = -mm(b_X22, mm(b_A20, b_X00, P) + mm(b_A21, b_X10, P), P)
+  store_block(p_Ai, b_X20, 2, 0, n, HV * BT)
   b_A30 = _load_block(p_A, 3, 0, n, HV * BT)
   b_A31 = _load_block(p_A, 3, 1, n, HV * BT)
   b_A32 = _load_block(p_A, 3, 2, n, HV * BT)
-  b_X30 = -_mm(b_X33, _mm(b_A30, b_X00, P) + _mm(b_A31, b_X10, P) + _mm(b_A32, b_X20, P), P)
-  _store_block(p_Ai, b_X30, 3, 0, n, HV * BT)
+  b_X30 = -mm(b_X33, mm(b_A30, b_X00, P) + mm(b_A31, b_X10, P) + mm(b_A32, b_X20, P), P)
+  store_block(p_Ai, b_X30, 3, 0, n, HV * BT)
   # column 1
-  b_X21 = -_mm(b_X22, _mm(b_A21, b_X11, P), P)
-  _store_block(p_Ai, b_X21, 2, 1, n, HV * BT)
-  b_X31 = -_mm(b_X33, _mm(b_A31, b_X11, P) + _mm(b_A32, b_X21, P), P)
-  _store_block(p_Ai, b_X31, 3, 1, n, HV * BT)
+  b_X21 = -mm(b_X22, mm(b_A21, b_X11, P), P)
+  store_block(p_Ai, b_X21, 2, 1, n, HV * BT)
+  b_X31 = -mm(b_X33, mm(b_A31, b_X11, P) + mm(b_A32, b_X21, P), P)
+  store_block(p_Ai, b_X31, 3, 1, n, HV * BT)
   # column 2
-  b_X32 = -_mm(b_X33, _mm(b_A32, b_X22, P), P)
-  _store_block(p_Ai, b_X32, 3, 2, n, HV * BT)
+  b_X32 = -mm(b_X33, mm(b_A32, b_X22, P), P)
+  store_block(p_Ai, b_X32, 3, 2, n, HV * BT)

@@ -195,6 +195,19 @@ def test_prefill_solve_precision_gpu(precision):
   check_prefill(GPU_CASES[0], "triton", seed=2, config=pk.FwdConfig(solve_precision=precision))
 
 
+@pytest.mark.parametrize("c", [CASES[2], CASES[4], CASES[9], CASES[13]], ids=lambda c: c.id)
+def test_prefill_kkt_solve(c):
+  """Stage 3 inside stage 2's program (FwdConfig.kkt_solve=1) end to end: M = 3 across chunk
+  edges, K = 100 with l2norm, bf16, packed short sequences with empty ones."""
+  check_prefill(c, KERNEL_BACKEND, config=pk.FwdConfig(kkt_solve=1))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("c", GPU_CASES, ids=lambda c: c.id)
+def test_prefill_kkt_solve_gpu(c):
+  check_prefill(c, "triton", seed=3, config=pk.FwdConfig(kkt_solve=1))
+
+
 def test_solve_near_parallel_keys():
   """Stage 3 keeps float32-level accuracy where the inverse is hardest: near-parallel keys
   (spread 1e-1 down to 3e-4) with beta near 2, each chunk against the float64 inverse of the same
@@ -479,6 +492,14 @@ def test_stages(lens, M, K, dtype):
       ref = np.linalg.inv(np.eye(n) + A_np[r0:r0 + n, hv, :n])
       assert np.all(np.triu(blk, 1) == 0), "Ai: not lower triangular (upper blocks unwritten?)"
       assert_close("Ai", ref, blk[:, :n], stored_tol)
+
+  # Stages 2 and 3 in one program (FwdConfig.kkt_solve): the same products on the same A, so the
+  # same bits on the valid rows; rows past cu_seqlens[N] keep the interpreter's poison.
+  fused = pk.FwdConfig(kkt_solve=1)
+  Ai2 = pk._kkt_launch(k, beta, g, cu, desc_x, HV=HV, M=M, l2norm=False, config=fused,
+                       solve=True).run(be)[0]
+  live = slice(0, int(cu_np[-1]) * M)
+  assert Ai2.dtype == dt and bits_equal(np.asarray(Ai2)[live], np.asarray(Ai)[live])
 
   v_np = _f(v)
 
