@@ -66,16 +66,21 @@ class FwdConfig(NamedTuple):
   # (4 warps) at B=4 T=2048 H=16 M=2 on the H200, 2026-12-04; the row-reduction substitution it
   # replaced took about 81 us at one warp.
   solve_warps: int = 1
-  # Its off-diagonal 16x16 products on 16-bit inputs: "tf32x3" (tensor cores, three TF32
-  # products per float32 product: float32-level accuracy, as docs/algorithm.md 4.5 asks), "ieee"
-  # (float32 on the CUDA cores) or "tf32" (one TF32 product: faster, 2.7e-4 relative change of
-  # the bf16-stored Ai). Float32 inputs take f32_precision. H200 (stage sweep, 2026-11-30):
-  # 0.702 / 0.786 / 0.531 ms at B=8 T=4096 H=32 and 0.100 / 0.114 / 0.079 ms at B=1 T=8192;
-  # ptxas: tf32x3 at one warp has no spills where ieee spills 840 B.
-  solve_precision: str = "tf32x3"
-  # kkt_solve=1: stage 3 inside stage 2's program (A never leaves it; kernels/chunk_kkt.py),
-  # at kkt_warps. 0: its own kernel at solve_warps.
-  kkt_solve: int = 0
+  # Its off-diagonal 16x16 products on 16-bit inputs: "tf32" (one TF32 tensor-core product per
+  # product, about 1e-3 relative each), "tf32x3" (three: float32-level accuracy) or "ieee"
+  # (float32 on the CUDA cores). Float32 inputs take f32_precision. The inverse is stored in the
+  # input dtype and feeds bf16 products downstream, so on 16-bit inputs TF32 costs no more than
+  # the rounding that follows (docs/algorithm.md §4.5): Ai moves by 2.7e-4 relative, gradients
+  # by 2.6e-3 against a bf16 tolerance of 3e-2, and every 16-bit GPU test passes under it. H200,
+  # 2026-12-04, B=4 T=2048 H=16 M=2: 38.2 against 56.1 us (tf32x3) and 71.0 (ieee), columns form.
+  solve_precision: str = "tf32"
+  # Stage 3 inside stage 2's program (kernels/chunk_kkt.py): A never leaves the program, which
+  # saves its float32 write and read (268 MB at B=4 T=2048 H=16 M=2). 1: always; 0: two
+  # kernels (stage 3 at solve_warps); -1, the default: 1 for 16-bit inputs, 0 for float32, where
+  # the fused program spills (255 registers and 3 KB of stack at sm_90, tf32x3 products). H200,
+  # 2026-12-05, training step at B=4 T=2048 H=16 M=2 (kernel time): kkt 104.5 us against
+  # 73.5 + 59.4 for kkt and solve; at 4 warps 151.8.
+  kkt_solve: int = -1
   # Every dot of every kernel (the solve's and the chain's included) on float32 inputs:
   # "tf32x3" (three TF32 tensor-core products, float32-level accuracy, docs/algorithm.md §4.5;
   # every float32 GPU test passes under it on the H200) or "ieee" (exact float32 products on
@@ -540,7 +545,7 @@ def _chunk_gated_delta_product_fwd(
   if g is not None:
     g = g.reshape(B * T, HV).astype(jnp.float32)
 
-  fused = bool(config.kkt_solve)
+  fused = config.kkt_solve == 1 or (config.kkt_solve == -1 and dtype != jnp.float32)
   A, gx, rk, kn = _kkt_launch(k, beta, g, cu, desc_x, HV=HV, M=M,
                               l2norm=use_qk_l2norm_in_kernel, config=config,
                               store_kn=return_residuals, solve=fused).run(backend)

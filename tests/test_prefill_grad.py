@@ -192,22 +192,24 @@ def test_prefill_grads_gpu(c, config):
   check_grads(c, "triton", configs=(config,))
 
 
-# Configs other than the default whose kernels differ on 16-bit inputs: the forward's solve
-# inside stage 2, its one-TF32-product off-diagonal blocks, the reverse pass at 3 stages.
-VARIANTS = {"kkt_solve": (_prefill_bwd.BwdConfig(), pk.FwdConfig(kkt_solve=1)),
-            "solve_tf32": (_prefill_bwd.BwdConfig(), pk.FwdConfig(solve_precision="tf32")),
-            "h_stages3": (_prefill_bwd.BwdConfig(h_stages=3), pk.FwdConfig())}
+# The forward configs other than the default that change a 16-bit training step: stages 2 and
+# 3 as two kernels, the solve's products as three TF32 products.
+VARIANTS = {"two_kernels": pk.FwdConfig(kkt_solve=0),
+            "solve_tf32x3": pk.FwdConfig(solve_precision="tf32x3")}
 
 
 def test_prefill_grads_kkt_solve():
-  check_grads(CASES[2], KERNEL_BACKEND, configs=(VARIANTS["kkt_solve"],))
+  """Stage 3 inside stage 2 (the 16-bit default) on float32 inputs, where it is not the
+  default, so the interpreter's float32 cases run it too."""
+  check_grads(CASES[2], KERNEL_BACKEND,
+              configs=((_prefill_bwd.BwdConfig(), pk.FwdConfig(kkt_solve=1)),))
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("c", [c for c in GPU_CASES if c.dtype == "bfloat16"], ids=lambda c: c.id)
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
 def test_prefill_grads_variants_gpu(c, variant):
-  check_grads(c, "triton", configs=(VARIANTS[variant],))
+  check_grads(c, "triton", configs=((_prefill_bwd.BwdConfig(), VARIANTS[variant]),))
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
