@@ -388,7 +388,8 @@ _CONFIG_FIELDS = {
     DecodeConfig: dict(BV=_pow2(1), num_warps=_WARPS, num_stages=_STAGES),
     FwdConfig: dict(
         kkt_bk=_TILE, kkt_warps=_WARPS, solve_warps=_WARPS, solve_precision=_PRECISION16,
-        kkt_solve=_int_rule("-1 (by dtype), 0 or 1", lambda x: x in (-1, 0, 1)), f32_precision=_F32, h_bv_wide=_TILE, h_bv_big_k=_TILE,
+        kkt_solve=_int_rule("-1 (by dtype), 0 or 1", lambda x: x in (-1, 0, 1)),
+        f32_precision=_F32, h_bv_wide=_TILE, h_bv_big_k=_TILE,
         h_piece=_int_rule("an int >= -1 (-1: from the request's shape, 0: never split, n > 0: "
                           "pieces of n expanded chunks)", lambda x: x >= -1),
         h_split_programs=_COUNT, h_chain_precision=_PRECISION16, h_warps=_WARPS,

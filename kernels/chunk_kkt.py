@@ -24,6 +24,9 @@ With STORE_KN (the training forward only) the same writer also stores the normal
 k rk in the input dtype, which the backward kernels take, rereading its key tiles in a loop of
 their own.
 
+With SOLVE the program runs stage 3 on its tile as well (kernels/chunk_solve.py's steps and
+products) and stores Ai = (I + A)^-1 in the first output's place; A never reaches memory.
+
 Grid: (number of expanded-chunk descriptors, HV). Program (i_d, i_hv) owns the 64x64 block of
 descriptor i_d and value head i_hv; a padding descriptor (sequence -1) returns at once.
 
@@ -33,7 +36,7 @@ import triton
 import triton.language as tl
 
 from ._common import chunk_decays, chunk_span
-from .chunk_solve import diag_by_columns, mm, store_block
+from .chunk_solve import diag_by_columns, mm, store_block, store_diag_and_upper
 
 
 @triton.jit
@@ -73,17 +76,7 @@ def _solve_tile(b_A, p_Ai, n, HV: tl.constexpr, BT: tl.constexpr, P: tl.constexp
   _, b_A10, b_A20, b_A30 = _quarters(t_q0)
   _, _, b_A21, b_A31 = _quarters(t_q1)
   _, _, _, b_A32 = _quarters(t_q2)
-  b_0 = tl.zeros([16, 16], dtype=tl.float32)
-  store_block(p_Ai, b_X00, 0, 0, n, STRIDE)
-  store_block(p_Ai, b_0, 0, 1, n, STRIDE)
-  store_block(p_Ai, b_0, 0, 2, n, STRIDE)
-  store_block(p_Ai, b_0, 0, 3, n, STRIDE)
-  store_block(p_Ai, b_X11, 1, 1, n, STRIDE)
-  store_block(p_Ai, b_0, 1, 2, n, STRIDE)
-  store_block(p_Ai, b_0, 1, 3, n, STRIDE)
-  store_block(p_Ai, b_X22, 2, 2, n, STRIDE)
-  store_block(p_Ai, b_0, 2, 3, n, STRIDE)
-  store_block(p_Ai, b_X33, 3, 3, n, STRIDE)
+  store_diag_and_upper(p_Ai, b_X00, b_X11, b_X22, b_X33, n, STRIDE)
   b_X10 = -mm(b_X11, mm(b_A10, b_X00, P), P)
   store_block(p_Ai, b_X10, 1, 0, n, STRIDE)
   b_X20 = -mm(b_X22, mm(b_A20, b_X00, P) + mm(b_A21, b_X10, P), P)

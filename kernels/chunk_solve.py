@@ -50,6 +50,22 @@ def store_block(p_Ai, b_X, i_p, i_q, n, STRIDE: tl.constexpr):
 
 
 @triton.jit
+def store_diag_and_upper(p_Ai, b_X00, b_X11, b_X22, b_X33, n, STRIDE: tl.constexpr):
+  """The four diagonal blocks of X, and the six above them as explicit zeros (step 3)."""
+  b_0 = tl.zeros([16, 16], dtype=tl.float32)
+  store_block(p_Ai, b_X00, 0, 0, n, STRIDE)
+  store_block(p_Ai, b_0, 0, 1, n, STRIDE)
+  store_block(p_Ai, b_0, 0, 2, n, STRIDE)
+  store_block(p_Ai, b_0, 0, 3, n, STRIDE)
+  store_block(p_Ai, b_X11, 1, 1, n, STRIDE)
+  store_block(p_Ai, b_0, 1, 2, n, STRIDE)
+  store_block(p_Ai, b_0, 1, 3, n, STRIDE)
+  store_block(p_Ai, b_X22, 2, 2, n, STRIDE)
+  store_block(p_Ai, b_0, 2, 3, n, STRIDE)
+  store_block(p_Ai, b_X33, 3, 3, n, STRIDE)
+
+
+@triton.jit
 def diag_by_columns(p_A, n, STRIDE: tl.constexpr, DIAG_ONLY: tl.constexpr):
   """The four diagonal 16x16 blocks of X = (I + A)^-1 (step 1 of the module docstring), as
   [16, 16] tiles (X_00, X_11, X_22, X_33). Row r of A at p_A + r * STRIDE holds its 64 entries,
@@ -115,17 +131,7 @@ def chunk_solve_fwd_kernel(
   # T=8192 on the H200 (all six A blocks loaded up front, products by distance from the
   # diagonal). The products themselves, and so the bits, are the same in either order.
   P: tl.constexpr = DOT_PRECISION
-  b_0 = tl.zeros([16, 16], dtype=tl.float32)
-  store_block(p_Ai, b_X00, 0, 0, n, HV * BT)
-  store_block(p_Ai, b_0, 0, 1, n, HV * BT)
-  store_block(p_Ai, b_0, 0, 2, n, HV * BT)
-  store_block(p_Ai, b_0, 0, 3, n, HV * BT)
-  store_block(p_Ai, b_X11, 1, 1, n, HV * BT)
-  store_block(p_Ai, b_0, 1, 2, n, HV * BT)
-  store_block(p_Ai, b_0, 1, 3, n, HV * BT)
-  store_block(p_Ai, b_X22, 2, 2, n, HV * BT)
-  store_block(p_Ai, b_0, 2, 3, n, HV * BT)
-  store_block(p_Ai, b_X33, 3, 3, n, HV * BT)
+  store_diag_and_upper(p_Ai, b_X00, b_X11, b_X22, b_X33, n, HV * BT)
   # column 0
   b_A10 = _load_block(p_A, 1, 0, n, HV * BT)
   b_X10 = -mm(b_X11, mm(b_A10, b_X00, P), P)

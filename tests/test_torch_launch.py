@@ -113,8 +113,8 @@ def test_fused_recurrent_same_bits_from_torch_and_jax(shape, backend):
 @BACKEND
 def test_prefill_kkt_same_bits_from_torch_and_jax(backend):
   """A prefill stage too: chunk_kkt with stage 3 inside (FwdConfig.kkt_solve=1: Ai, the decay
-  cumsum Gx and the key row factors) over two packed sequences, from
-  torch and through the JAX launcher, with the launch's own constexprs, warps and stages."""
+  cumsum Gx and the key row factors) over two packed sequences, from torch and through the JAX
+  launcher, with the launch's own constexprs, warps and stages."""
   torch = _torch(backend)
   import jax.numpy as jnp
   from gdp_jax import _prefill_kernels as pk
@@ -146,6 +146,5 @@ def test_prefill_kkt_same_bits_from_torch_and_jax(backend):
       num_warps=call.num_warps, num_stages=call.num_stages)
   if GPU:
     torch.cuda.synchronize()
-  live = slice(0, T * M)
   for name, a, b in (("Ai", Ai_jax, Ai), ("Gx", gx_jax, gx), ("rk", rk_jax, rk)):
-    assert _same(np.asarray(a, np.float32)[live], b.float().cpu().numpy()[live], backend), name
+    assert _same(np.asarray(a, np.float32), b.float().cpu().numpy(), backend), name
