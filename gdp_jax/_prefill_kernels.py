@@ -66,22 +66,21 @@ class FwdConfig(NamedTuple):
   # (4 warps) at B=4 T=2048 H=16 M=2 on the H200, 2026-12-04; the row-reduction substitution it
   # replaced took about 81 us at one warp.
   solve_warps: int = 1
-  # Its off-diagonal 16x16 products on 16-bit inputs: "tf32x3" (three TF32 tensor-core
-  # products per product: float32-level accuracy), "tf32" (one: about 1e-3 relative each) or
-  # "ieee" (float32 on the CUDA cores). Float32 inputs take f32_precision. H200, 2026-12-04,
-  # B=4 T=2048 H=16 M=2, columns form: 56.1 us (tf32x3) against 38.2 (tf32) and 71.0 (ieee);
-  # under tf32 Ai moves by 2.7e-4 relative and gradients by 2.6e-3 (bf16 tolerance 3e-2), and
-  # the bf16 GPU tests pass. "tf32" becomes the 16-bit default once every 16-bit GPU test has
-  # run under it together with kkt_solve below.
-  solve_precision: str = "tf32x3"
+  # Its off-diagonal 16x16 products on 16-bit inputs: "tf32" (one TF32 tensor-core product per
+  # product, about 1e-3 relative each), "tf32x3" (three: float32-level accuracy) or "ieee"
+  # (float32 on the CUDA cores). Float32 inputs take f32_precision. The inverse is stored in the
+  # input dtype and feeds bf16 products downstream, so on 16-bit inputs TF32 costs no more than
+  # the rounding that follows (docs/algorithm.md §4.5): Ai moves by 2.7e-4 relative, gradients
+  # by 2.6e-3 against a bf16 tolerance of 3e-2, and every 16-bit GPU test passes under it. H200,
+  # 2026-12-04, B=4 T=2048 H=16 M=2: 38.2 against 56.1 us (tf32x3) and 71.0 (ieee), columns form.
+  solve_precision: str = "tf32"
   # Stage 3 inside stage 2's program (kernels/chunk_kkt.py): A never leaves the program, which
-  # saves its float32 write and read (268 MB at B=4 T=2048 H=16 M=2). 0: two kernels (stage 3
-  # at solve_warps); 1: fused; -1: fused for 16-bit inputs, two kernels for float32, where the
-  # fused program spills (255 registers and 3 KB of stack at sm_90, tf32x3 products). H200,
+  # saves its float32 write and read (268 MB at B=4 T=2048 H=16 M=2). 1: always; 0: two
+  # kernels (stage 3 at solve_warps); -1, the default: 1 for 16-bit inputs, 0 for float32, where
+  # the fused program spills (255 registers and 3 KB of stack at sm_90, tf32x3 products). H200,
   # 2026-12-05, training step at B=4 T=2048 H=16 M=2 (kernel time): kkt 104.5 us against
-  # 73.5 + 59.4 for kkt and solve (92.7 with solve_precision="tf32"); at 4 warps 151.8. Every
-  # GPU prefill and bf16 gradient test passed under kkt_solve=1; -1 is the candidate default.
-  kkt_solve: int = 0
+  # 73.5 + 59.4 for kkt and solve; at 4 warps 151.8.
+  kkt_solve: int = -1
   # Every dot of every kernel (the solve's and the chain's included) on float32 inputs:
   # "tf32x3" (three TF32 tensor-core products, float32-level accuracy, docs/algorithm.md §4.5;
   # every float32 GPU test passes under it on the H200) or "ieee" (exact float32 products on

@@ -192,15 +192,15 @@ def test_prefill_grads_gpu(c, config):
   check_grads(c, "triton", configs=(config,))
 
 
-# Forward configs other than the default that change a 16-bit training step: stage 3 inside
-# stage 2, the solve's products as one TF32 product, both.
-VARIANTS = {"kkt_solve": pk.FwdConfig(kkt_solve=1),
-            "solve_tf32": pk.FwdConfig(solve_precision="tf32"),
-            "kkt_solve_tf32": pk.FwdConfig(kkt_solve=1, solve_precision="tf32")}
+# The forward configs other than the default that change a 16-bit training step: stages 2 and
+# 3 as two kernels, the solve's products as three TF32 products.
+VARIANTS = {"two_kernels": pk.FwdConfig(kkt_solve=0),
+            "solve_tf32x3": pk.FwdConfig(solve_precision="tf32x3")}
 
 
 def test_prefill_grads_kkt_solve():
-  """Stage 3 inside stage 2 (FwdConfig.kkt_solve=1) through the training step."""
+  """Stage 3 inside stage 2 (the 16-bit default) on float32 inputs, where it is not the
+  default, so the interpreter's float32 cases run it too."""
   check_grads(CASES[2], KERNEL_BACKEND,
               configs=((_prefill_bwd.BwdConfig(), pk.FwdConfig(kkt_solve=1)),))
 
@@ -228,9 +228,10 @@ def test_f32_precision_reaches_every_kernel(monkeypatch, dtype):
 
   default, ieee = launches(_prefill_bwd.BwdConfig()), launches(IEEE)
   dots = {k for k, p, _, _ in default if p is not None}
+  # 16-bit inputs take stage 3 inside chunk_kkt (FwdConfig.kkt_solve=-1).
   assert {k.split(".")[0] for k in dots} == {
-      "chunk_kkt", "chunk_solve", "chunk_h", "chunk_o", "chunk_dv_bwd", "chunk_h_bwd",
-      "chunk_o_bwd", "chunk_wy_bwd"}, dots
+      "chunk_kkt", "chunk_h", "chunk_o", "chunk_dv_bwd", "chunk_h_bwd", "chunk_o_bwd",
+      "chunk_wy_bwd"} | ({"chunk_solve"} if dtype == "float32" else set()), dots
   if dtype == "float32":
     assert {p for _, p, _, _ in default if p is not None} == {"tf32x3"}
     assert {p for _, p, _, _ in ieee if p is not None} == {"ieee"}

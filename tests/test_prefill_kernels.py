@@ -187,9 +187,9 @@ def test_small_heads_take_narrow_tiles():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("precision", ["ieee", "tf32"])
+@pytest.mark.parametrize("precision", ["ieee", "tf32x3"])
 def test_prefill_solve_precision_gpu(precision):
-  """The solve's other product precisions (FwdConfig.solve_precision; the default, tf32x3,
+  """The solve's other product precisions (FwdConfig.solve_precision; the default, tf32,
   runs in every other GPU test) keep a bf16 prefill within its tolerance. Only a GPU can tell:
   the interpreter computes every dot in float32 whatever the precision."""
   check_prefill(GPU_CASES[0], "triton", seed=2, config=pk.FwdConfig(solve_precision=precision))
@@ -197,15 +197,18 @@ def test_prefill_solve_precision_gpu(precision):
 
 @pytest.mark.parametrize("c", [CASES[2], CASES[4], CASES[9], CASES[13]], ids=lambda c: c.id)
 def test_prefill_kkt_solve(c):
-  """Stage 3 inside stage 2's program (FwdConfig.kkt_solve=1) end to end: M = 3 across chunk
-  edges, K = 100 with l2norm, bf16, packed short sequences with empty ones."""
+  """Stage 3 inside stage 2's program (FwdConfig.kkt_solve=1; the default for 16-bit inputs)
+  end to end on float32 inputs too: M = 3 across chunk edges, K = 100 with l2norm, bf16, packed
+  short sequences with empty ones."""
   check_prefill(c, KERNEL_BACKEND, config=pk.FwdConfig(kkt_solve=1))
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("c", GPU_CASES, ids=lambda c: c.id)
-def test_prefill_kkt_solve_gpu(c):
-  check_prefill(c, "triton", seed=3, config=pk.FwdConfig(kkt_solve=1))
+def test_prefill_kkt_solve_other_gpu(c):
+  """The stage-2/3 split that is not the dtype's default: two kernels for 16-bit inputs, one
+  for float32."""
+  check_prefill(c, "triton", seed=3, config=pk.FwdConfig(kkt_solve=int(c.dtype == "float32")))
 
 
 def test_solve_near_parallel_keys():

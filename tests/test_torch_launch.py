@@ -112,9 +112,9 @@ def test_fused_recurrent_same_bits_from_torch_and_jax(shape, backend):
 
 @BACKEND
 def test_prefill_kkt_same_bits_from_torch_and_jax(backend):
-  """A prefill stage too: chunk_kkt with stage 3 inside (FwdConfig.kkt_solve=1: Ai, the decay
-  cumsum Gx and the key row factors) over two packed sequences, from torch and through the JAX
-  launcher, with the launch's own constexprs, warps and stages."""
+  """A prefill stage too: chunk_kkt as the prefill launches it by default (stages 2 and 3 in one
+  program: Ai, the decay cumsum Gx and the key row factors) over two packed sequences, from
+  torch and through the JAX launcher, with the launch's own constexprs, warps and stages."""
   torch = _torch(backend)
   import jax.numpy as jnp
   from gdp_jax import _prefill_kernels as pk
@@ -128,7 +128,7 @@ def test_prefill_kkt_same_bits_from_torch_and_jax(backend):
   cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
   desc = np.array(reference.chunk_descriptors(jnp.asarray(cu * M), (T * M) // 64 + len(lens)))
 
-  cfg = pk.FwdConfig(kkt_solve=1)
+  cfg = pk.FwdConfig()
   call = pk._kkt_launch(jnp.asarray(k, jnp.bfloat16), jnp.asarray(beta, jnp.bfloat16),
                         jnp.asarray(g), jnp.asarray(cu), jnp.asarray(desc), HV=HV, M=M,
                         l2norm=True, config=cfg, solve=True)
