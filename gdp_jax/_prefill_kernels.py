@@ -56,10 +56,15 @@ class FwdConfig(NamedTuple):
   batch (N, B, the other sequences): docs/algorithm.md §13.2. Every config was checked there
   against the previous one's output.
   """
-  # Stage 2: 2 warps and a 128-wide K slice: 0.341 against 0.369 ms (4 warps, 64) at B=8 H=32.
+  # Stage 2: 2 warps (0.341 against 0.369 ms at 4 warps, B=8 H=32, two kernels) and a 64-wide
+  # K slice: with stage 3 inside (below) the Gram's 128-wide slice held the whole [64, 128] key
+  # tile live beside the solve, 219 registers at sm_90 (255 and a spill in training) against
+  # 128 (168). H100, 2026-12-05, bf16, kernel time per call against 128: 62.0 against 75.0 us at
+  # B=4 T=2048 H=16 M=2, 89.0 against 109.9 at M=3, 610.5 against 688.8 at B=8 T=4096 H=32,
+  # 39.4 against 37.2 at K=256 V=512 H=6; training step 92.3 against 97.0. Same output bits.
   # kkt_bk, o_bk and o_bv are the widest tiles: a K or V below them takes its next power of
   # two (_block).
-  kkt_bk: int = 128
+  kkt_bk: int = 64
   kkt_warps: int = 2
   # Stage 3: one warp. Its diagonal blocks take one multiply-add per row and column (no
   # reduction in the chain, kernels/chunk_solve.py): 55.8 us against 65.0 (2 warps) and 114.2
