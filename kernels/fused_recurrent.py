@@ -81,7 +81,6 @@ def fused_recurrent_fwd_kernel(
     V: tl.constexpr,
     NI: tl.constexpr,
     NR: tl.constexpr,
-    BR: tl.constexpr,       # next power of two of NR: the ring tiles' rows
     BK: tl.constexpr,
     BV: tl.constexpr,
     STEPS_PER_TOKEN: tl.constexpr,
@@ -143,42 +142,24 @@ def fused_recurrent_fwd_kernel(
       # the ring.
       n_acc = tl.minimum(tl.maximum(tl.load(num_accepted + i_n).to(tl.int64), 0),
                          NR // STEPS_PER_TOKEN)
-      n_rows = n_acc * STEPS_PER_TOKEN
-      # The accepted ring rows, loaded at once beside the checkpoint: one memory round trip
-      # instead of one per row on the serial chain below. Row s is then taken from the tiles
-      # by a masked sum (one nonzero term: exact).
-      o_r = tl.arange(0, BR)
-      live = o_r < n_rows
-      r = slot * NR + o_r
-      b_kr = tl.load(ring_k + ((r * H + i_h) * K)[:, None] + o_k[None, :],
-                     mask=live[:, None] & mask_k[None, :], other=0.)        # [BR, BK]
-      b_vr = tl.load(ring_v + ((r * HV + i_hv) * V)[:, None] + o_v[None, :],
-                     mask=live[:, None] & mask_v[None, :], other=0.)        # [BR, BV]
-      if USE_G:
-        # Rows between two decays (the M - 1 later copies of a token) decay by exp(0) = 1.
-        b_gr = tl.load(ring_g + (slot * (NR // RING_G_STEPS) + o_r // RING_G_STEPS) * HV + i_hv,
-                       mask=live, other=0.).to(tl.float32)
-        b_gr = tl.where(o_r % RING_G_STEPS == 0, b_gr, 0.)
-      if USE_BETA:
-        if IS_BETA_HEADWISE:
-          b_br = tl.load(ring_beta + r * HV + i_hv, mask=live, other=0.).to(tl.float32)
-        else:
-          b_br = tl.load(ring_beta + ((r * HV + i_hv) * V)[:, None] + o_v[None, :],
-                         mask=live[:, None] & mask_v[None, :], other=0.).to(tl.float32)
-      # The token loop below without queries and outputs.
-      for s in range(0, n_rows):
-        b_k = tl.sum(tl.where(o_r[:, None] == s, b_kr, 0.), 0).to(tl.float32)
-        b_v = tl.sum(tl.where(o_r[:, None] == s, b_vr, 0.), 0).to(tl.float32)
+      # The token loop below without queries and outputs, over ring rows r of this slot.
+      for s in range(0, n_acc * STEPS_PER_TOKEN):
+        r = slot * NR + s
+        b_k = tl.load(ring_k + (r * H + i_h) * K + o_k, mask=mask_k, other=0.).to(tl.float32)
+        b_v = tl.load(ring_v + (r * HV + i_hv) * V + o_v, mask=mask_v, other=0.).to(tl.float32)
         if USE_QK_L2NORM:
           b_k = l2norm_rows(b_k)
         if USE_G:
-          b_h *= tl.exp(tl.sum(tl.where(o_r == s, b_gr, 0.), 0))
+          # Rows between two decays (the M - 1 later copies of a token) decay by exp(0) = 1.
+          b_g = tl.load(ring_g + (slot * (NR // RING_G_STEPS) + s // RING_G_STEPS) * HV + i_hv)
+          b_h *= tl.exp(tl.where(s % RING_G_STEPS == 0, b_g.to(tl.float32), 0.))
         b_v -= tl.sum(b_h * b_k[:, None], 0)
         if USE_BETA:
           if IS_BETA_HEADWISE:
-            b_v *= tl.sum(tl.where(o_r == s, b_br, 0.), 0)
+            b_v *= tl.load(ring_beta + r * HV + i_hv).to(tl.float32)
           else:
-            b_v *= tl.sum(tl.where(o_r[:, None] == s, b_br, 0.), 0)
+            b_v *= tl.load(ring_beta + (r * HV + i_hv) * V + o_v, mask=mask_v,
+                           other=0.).to(tl.float32)
         b_h += b_k[:, None] * b_v[None, :]
       if n_acc > 0:
         tl.store(state_out + p_state, b_h.to(state_out.dtype.element_ty), mask=mask_h)

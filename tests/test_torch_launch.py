@@ -97,8 +97,7 @@ def test_fused_recurrent_same_bits_from_torch_and_jax(shape, backend):
   fused_recurrent_fwd_kernel[(-(-V // cfg.BV) * N * HV,)](
       q, k, v, g, beta, ph, cache, ph, slots, ph_i, ph_i, ph, ph, ph, ph, scale, T, S,
       o, ph, cache, ph,
-      H=H, HV=HV, K=K, V=V, NI=1, NR=1, BR=1, BK=BK, BV=cfg.BV, STEPS_PER_TOKEN=1,
-      RING_G_STEPS=1,
+      H=H, HV=HV, K=K, V=V, NI=1, NR=1, BK=BK, BV=cfg.BV, STEPS_PER_TOKEN=1, RING_G_STEPS=1,
       USE_G=True, USE_BETA=True, IS_BETA_HEADWISE=True, USE_QK_L2NORM=True,
       USE_INITIAL_STATE=False, STORE_FINAL_STATE=False, HAS_STATE=True, HAS_STATE_INDICES=True,
       STORE_INTERMEDIATE=False, IS_VARLEN=False, HAS_NUM_ACCEPTED=False, HAS_REPLAY=False,
