@@ -165,8 +165,8 @@ def test_prefill_gpu(c, config):
 
 def test_small_heads_take_narrow_tiles():
   """kkt's and the output stage's K and V tiles: the next power of two of a K or V below the
-  config's width (at least 16), the config's width from there up (kkt's 64, the output's 128), so the tuned big-shape launches
-  stay as they were. Test cases with K, V < 128 (CASES above) check the narrow tiles against the
+  config's width (at least 16), the config's width from there up (kkt's 64, the output's 128),
+  so the tuned big-shape launches stay as they were. Test cases with K, V < 128 (CASES above) check the narrow tiles against the
   reference."""
   cfg = pk.FwdConfig()
   assert [pk._block(n, 128) for n in (8, 16, 17, 32, 100, 128, 256, 512)] == [
@@ -196,11 +196,11 @@ def test_prefill_solve_precision_gpu(precision):
 
 
 @pytest.mark.parametrize("c", [CASES[2], CASES[4], CASES[9], CASES[13]], ids=lambda c: c.id)
-def test_prefill_kkt_solve(c):
-  """Stage 3 inside stage 2's program (FwdConfig.kkt_solve=1; the default for 16-bit inputs)
-  end to end on float32 inputs too: M = 3 across chunk edges, K = 100 with l2norm, bf16, packed
-  short sequences with empty ones."""
-  check_prefill(c, KERNEL_BACKEND, config=pk.FwdConfig(kkt_solve=1))
+def test_prefill_kkt_solve_other(c):
+  """The stage-2/3 split that is not the dtype's default (test_prefill runs the default), end to
+  end: stage 3 inside stage 2 on float32 inputs (M = 3 across chunk edges, K = 100 with l2norm,
+  packed short sequences with empty ones), two kernels on bf16."""
+  check_prefill(c, KERNEL_BACKEND, config=pk.FwdConfig(kkt_solve=int(c.dtype == "float32")))
 
 
 @pytest.mark.gpu
