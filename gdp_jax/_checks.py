@@ -396,7 +396,7 @@ _CONFIG_FIELDS = {
         h_stages=_STAGES, h_stages_f32=_STAGES, o_bk=_TILE, o_bv=_TILE, o_warps=_WARPS,
         o_stages=_STAGES),
     BwdConfig: dict(
-        h_bv=_TILE, h_bv_big_k=_TILE, h_warps=_WARPS,
+        h_bv=_TILE, h_bv_big_k=_TILE, h_warps=_WARPS, h_stages=_STAGES,
         h_split=_int_rule("an int >= 0 (0: from the number of programs, 1: never split, n > 1: "
                           "n pieces per sequence)", lambda x: x >= 0),
         h_split_min_programs=_COUNT, h_split_programs=_POSITIVE, h_split_max=_POSITIVE,

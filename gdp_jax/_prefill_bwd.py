@@ -75,6 +75,7 @@ class BwdConfig(NamedTuple):
   h_bv: int = 64          # K <= 128
   h_bv_big_k: int = 32    # K > 128 (two [BV, 128] tiles of dS^T)
   h_warps: int = 4
+  h_stages: int = 2       # 16-bit inputs (float32 takes 1: see the launch)
   # chunk_h_bwd's walk split into pieces per sequence (_h_pieces): h_split pieces when set (1:
   # the unsplit walk), otherwise 1 while the walk has at least h_split_min_programs programs
   # (half the H200's 132 SMs, the forward scan's rule), else enough pieces for
@@ -263,7 +264,8 @@ def _backward(q, k, v, g, beta, initial_state, cu_seqlens, res, do, dht, static)
   h_kw = dict(
       # float32 inputs stage ieee-dot operands in shared memory: 2 stages need 329 KB at K=256
       # (over the H200's 227 KB, sm_90 compile), 1 stage fits.
-      backend=backend, num_warps=cfg.h_warps, num_stages=1 if dtype == jnp.float32 else 2,
+      backend=backend, num_warps=cfg.h_warps,
+      num_stages=1 if dtype == jnp.float32 else cfg.h_stages,
       H=H, HV=HV, K=K, V=V, M=M, BT=BT, BV=bv, NP=pieces, USE_G=use_g,
       DOT_PRECISION=prec)
   ds_out = dht.astype(f32) if dht is not None else None
