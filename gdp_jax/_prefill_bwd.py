@@ -46,7 +46,7 @@ from gdp_jax import _launch
 from gdp_jax import _prefill_kernels as pk
 
 BT = pk.BT
-_BK = 64  # chunk_dv_bwd's K and V blocks (chunk_o_bwd's and chunk_wy_bwd's: BwdConfig)
+_BK = 64  # chunk_dv_bwd's and chunk_wy_bwd's K blocks (chunk_o_bwd's: BwdConfig.o_bk)
 _BV = 64
 
 
@@ -93,9 +93,6 @@ class BwdConfig(NamedTuple):
   o_warps: int = 4
   o_stages: int = 2
   wy_warps: int = 4
-  # chunk_wy_bwd's K and V loops' block widths.
-  wy_bk: int = 64
-  wy_bv: int = 64
   # qk_bwd, a pass bound by memory: BR rows times BK (K rounded up to a power of two) =
   # qk_block elements per program, 32 float32 values per thread per tile at 4 warps, and
   # thousands of programs at training sizes (8192 for dk at B=4 T=2048 H=16 M=2).
@@ -318,7 +315,7 @@ def _backward(q, k, v, g, beta, initial_state, cu_seqlens, res, do, dht, static)
                  jax.ShapeDtypeStruct((R, HV) if use_g else (1,), f32),
                  jax.ShapeDtypeStruct((R, HV, BT), dtype)],
       backend=backend, num_warps=cfg.wy_warps, num_stages=2,
-      H=H, HV=HV, K=K, V=V, M=M, BT=BT, BK=cfg.wy_bk, BV=cfg.wy_bv, NK=nk, USE_G=use_g,
+      H=H, HV=HV, K=K, V=V, M=M, BT=BT, BK=_BK, BV=_BV, NK=nk, USE_G=use_g,
       FINISH_DK=finish_dk, USE_L2NORM=l2, ZERO_TAIL=cu_seqlens is not None,
       DOT_PRECISION=prec)
 
