@@ -437,9 +437,11 @@ def _scan(k, v, beta, Ai, gx, cu, offsets, n_rows, *, M, h0, state_indices, fina
 
 
 def _output_launch(q, k, v_new, h, g, state_indices, S, cu, desc, *, M, scale, out_dtype, rk,
-                   config: FwdConfig, h_offsets=None, store_qn=False,
+                   config: FwdConfig, h_offsets=None, store_qn=False, zero_tail=False,
                    backend=None) -> KernelCall:
   T, H, K = q.shape
+  # Zeroing the rows past cu[N] takes a descriptor per block of BT rows: enough of them (§5.3).
+  assert not zero_tail or desc.shape[0] * BT >= T, (desc.shape, T)
   _, HV, V = v_new.shape
   store_qn = store_qn and rk is not None
   bk, bv = _block(K, config.o_bk), _block(V, config.o_bv)
@@ -453,14 +455,14 @@ def _output_launch(q, k, v_new, h, g, state_indices, S, cu, desc, *, M, scale, o
   return KernelCall(
       "chunk_o.chunk_o_fwd_kernel",
       (q, k, v_new, h, _opt(h_offsets, jnp.int32), _opt(g), _opt(rk),
-       _opt(state_indices, jnp.int32), cu, desc, S, float(scale)),
+       _opt(state_indices, jnp.int32), cu, desc, S, cu.shape[0] - 1, T, float(scale)),
       (jax.ShapeDtypeStruct((T, HV, V), out_dtype),
        jax.ShapeDtypeStruct((T, H, K), q.dtype) if store_qn else _f32(1)),
       grid=(desc.shape[0], -(-V // bv), HV), num_warps=config.o_warps, num_stages=stages,
       constexprs=dict(H=H, HV=HV, K=K, V=V, M=M, BT=BT, BK=bk, BV=bv,
                       H_PER_CHUNK=M if h_offsets is not None else 1, USE_G=g is not None,
                       HAS_STATE_INDICES=state_indices is not None, USE_RNORM=rk is not None,
-                      STORE_QN=store_qn,
+                      STORE_QN=store_qn, ZERO_TAIL=zero_tail,
                       DOT_PRECISION=precision))
 
 
@@ -598,13 +600,9 @@ def _chunk_gated_delta_product_fwd(
   S = state.shape[0] if state is not None else N
   o, qn = _output_launch(q, k, v_new, h, g, state_indices, S, cu, desc_t, M=M, scale=scale,
                          out_dtype=out_dtype, rk=rk, config=config, h_offsets=h_offsets,
-                         store_qn=return_residuals, backend=backend).run(backend)
-
-  if cu_seqlens is not None:
-    # Tokens past cu_seqlens[N] belong to no sequence and no program writes them (§5.4); a
-    # select, so whatever the buffer held does not leak.
-    live = jnp.arange(T) < cu[N]
-    o = jnp.where(live[:, None, None], o, jnp.zeros((), o.dtype))
+                         store_qn=return_residuals, zero_tail=cu_seqlens is not None,
+                         backend=backend).run(backend)
+  # Tokens past cu_seqlens[N] belong to no sequence: stage 6 wrote zeros there (§5.4).
   o = o.reshape(B, T, HV, V)
 
   outputs = (o, final)

@@ -42,6 +42,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from gdp_jax._common import owners
 from gdp_jax.decode import accept_draft_tokens as _accept_state
 from gdp_jax.decode import commit_replay as _commit_state
 from gdp_jax.decode import gated_delta_product_decode
@@ -218,7 +219,7 @@ def _conv_prefill(xa, weight, bias, cu, ctx):
   xf = xa.astype(f32)
   w = weight.astype(f32)
   t = jnp.arange(T, dtype=jnp.int32)
-  seq = jnp.searchsorted(cu[1:], t, side="right").astype(jnp.int32)
+  seq = owners(cu[1:], T)
   local = t - cu[jnp.minimum(seq, N)]
   y = xf * w[:, W - 1]
   for s in range(1, W):

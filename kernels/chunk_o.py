@@ -24,7 +24,10 @@ input dtype, which the backward kernels take.
 
 Rows past the sequence end are neither loaded nor stored. With state indices, a sequence whose
 slot is outside [0, S) is padding and its output rows are written as zeros, without reading
-anything else (stage 5 skips such sequences, so their v_new rows are undefined).
+anything else (stage 5 skips such sequences, so their v_new rows are undefined). With ZERO_TAIL
+(packed inputs) program (i_d, i_v, i_hv) also writes zeros over the i_d-th block of BT rows at or
+past cu_seqlens[N]: those rows belong to no sequence, and the descriptors (at least ceil(R / BT)
+of them) outnumber their blocks. That replaces a select over the whole output in XLA.
 
 The row of `h` is the descriptor index: token-chunk descriptors are laid out in sequence order,
 so descriptor i_d of sequence n, chunk c is chunk_offsets[n] + c. With H_PER_CHUNK = M (the
@@ -59,6 +62,8 @@ def chunk_o_fwd_kernel(
     cu_seqlens,     # [N+1] int32 token-stream sequence starts
     chunk_desc,     # [NCD, 2] int32 (sequence, token chunk within it); sequence -1 = padding
     S,              # slots of the cache: a slot outside [0, S) is padding
+    N,              # sequences (ZERO_TAIL)
+    R,              # rows of the token stream, T (ZERO_TAIL)
     scale,          # float32 query scale
     # outputs
     o,              # [T, HV, V] in v.dtype
@@ -78,19 +83,25 @@ def chunk_o_fwd_kernel(
     HAS_STATE_INDICES: tl.constexpr,
     USE_RNORM: tl.constexpr,  # q and k L2-normalised by row factors, applied after the dots
     STORE_QN: tl.constexpr,   # with USE_RNORM: store the normalised queries too
+    ZERO_TAIL: tl.constexpr,  # packed: zero the rows past cu_seqlens[N]
     DOT_PRECISION: tl.constexpr,  # "ieee" for float32 inputs, else the tensor-core default
 ):
   i_d, i_v, i_hv = tl.program_id(0), tl.program_id(1), tl.program_id(2)
   i_h = i_hv // (HV // H)
+  o_t = tl.arange(0, BT)
+  o_v = i_v * BV + tl.arange(0, BV)
+  mask_v = o_v < V
+  if ZERO_TAIL:
+    r_z = tl.load(cu_seqlens + N).to(tl.int64) + i_d * BT + o_t
+    tl.store(o + r_z[:, None] * (HV * V) + i_hv * V + o_v[None, :],
+             tl.zeros([BT, BV], dtype=o.dtype.element_ty),
+             mask=(r_z < R)[:, None] & mask_v[None, :])
   # Token chunks: M = 1 rows per token. t0 is int64 (token * HV*V overflows int32).
   i_n, t0, n = chunk_span(chunk_desc, cu_seqlens, i_d, 1, BT)
   if i_n < 0:
     return
 
-  o_t = tl.arange(0, BT)
   mask_t = o_t < n
-  o_v = i_v * BV + tl.arange(0, BV)
-  mask_v = o_v < V
   m_tv = mask_t[:, None] & mask_v[None, :]
   p_o = o + t0 * (HV * V) + i_hv * V + (o_t[:, None] * (HV * V) + o_v[None, :])
 
