@@ -77,7 +77,7 @@ class BwdConfig(NamedTuple):
   h_warps: int = 4
   # chunk_h_bwd's pipeline stages for 16-bit inputs (float32 takes 1: see the launch). 3 kept
   # the next chunk's tiles in flight: 292.3 against 303.9 us at row 0 (H100, 2026-12-05, same
-  # gradient bits), with 64 B of spill at sm_90; not the default until its GPU tests have run.
+  # gradient bits), with 64 B of spill at sm_90; the GPU gradient tests have run at 2 only.
   h_stages: int = 2
   # chunk_h_bwd's walk split into pieces per sequence (_h_pieces): h_split pieces when set (1:
   # the unsplit walk), otherwise 1 while the walk has at least h_split_min_programs programs
