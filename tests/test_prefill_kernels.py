@@ -531,7 +531,7 @@ def test_stages(lens, M, K, dtype):
         S[hv] = np.exp2(gc[-1]) * S[hv] + kc.T @ (np.exp2(gc[-1] - gc)[:, None] * d)
     assert_close(f"final[{n}]", S, _f(ht[n]), state_tol)
 
-  # Stage 6, from the kernel's h and v_new; slack rows stay unwritten here (the launcher masks).
+  # Stage 6, from the kernel's h and v_new; slack rows stay unwritten here (no ZERO_TAIL).
   scale = K ** -0.5
   o = pk._output(q, k, v_new, h, g, None, N, cu, desc_t, M=M, scale=scale, out_dtype=dt,
                  backend=be)
