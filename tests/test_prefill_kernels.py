@@ -167,8 +167,8 @@ def test_prefill_gpu(c, config):
 def test_small_heads_take_narrow_tiles():
   """kkt's and the output stage's K and V tiles: the next power of two of a K or V below the
   config's width (at least 16), the config's width from there up (kkt's 64, the output's 128),
-  so the tuned big-shape launches stay as they were. Test cases with K, V < 128 (CASES above) check the narrow tiles against the
-  reference."""
+  so the tuned big-shape launches stay as they were. Test cases with K, V < 128 (CASES above)
+  check the narrow tiles against the reference."""
   cfg = pk.FwdConfig()
   assert [pk._block(n, 128) for n in (8, 16, 17, 32, 100, 128, 256, 512)] == [
       16, 16, 32, 32, 128, 128, 128, 128]
