@@ -119,7 +119,7 @@ class FwdConfig(NamedTuple):
   h_chain_precision: str = "tf32x3"
   # The chain's V block (0: the walk's). Each program loads every piece's whole [K, K+V] map
   # and applies it to its [K, BV] columns, one piece after another.
-  h_chain_bv: int = 0
+  h_chain_bv: int = 16
   h_warps: int = 4
   h_stages: int = 3
   # float32 inputs (the reference-precision path) take "ieee" dots, whose operands Triton stages
