@@ -80,9 +80,6 @@ class BwdConfig(NamedTuple):
   # them at the top of each chunk): 292.3 against 303.9 us at row 0 (H100, 2026-12-05, same
   # gradient bits), with 64 B of spill at sm_90.
   h_stages: int = 3
-  # chunk_h_bwd's update dS^T <- .. + (do~ part) Q~ + (X^T part) K as one product over 2 BT
-  # rows (1) or two (0).
-  h_merge: int = 0
   # chunk_h_bwd's walk split into pieces per sequence (_h_pieces): h_split pieces when set (1:
   # the unsplit walk), otherwise 1 while the walk has at least h_split_min_programs programs
   # (half the H200's 132 SMs, the forward scan's rule), else enough pieces for
@@ -271,7 +268,7 @@ def _backward(q, k, v, g, beta, initial_state, cu_seqlens, res, do, dht, static)
       backend=backend, num_warps=cfg.h_warps,
       num_stages=1 if dtype == jnp.float32 else cfg.h_stages,
       H=H, HV=HV, K=K, V=V, M=M, BT=BT, BV=bv, NP=pieces, USE_G=use_g,
-      DOT_PRECISION=prec, MERGE=bool(cfg.h_merge))
+      DOT_PRECISION=prec)
   ds_out = dht.astype(f32) if dht is not None else None
   if pieces > 1:
     summary = _launch.call(

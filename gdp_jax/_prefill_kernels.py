@@ -117,9 +117,6 @@ class FwdConfig(NamedTuple):
   # The chain's float32 products M_p S + E_p on 16-bit inputs ("tf32x3": three TF32 products on
   # the tensor cores, float32-level accuracy; float32 inputs take f32_precision).
   h_chain_precision: str = "tf32x3"
-  # The chain's V block (0: the walk's). Each program loads every piece's whole [K, K+V] map
-  # and applies it to its [K, BV] columns, one piece after another.
-  h_chain_bv: int = 16
   h_warps: int = 4
   h_stages: int = 3
   # float32 inputs (the reference-precision path) take "ieee" dots, whose operands Triton stages
@@ -378,7 +375,7 @@ def _chain_launch(h0, state_indices, cu, summary, *, M, V, dtype, config: FwdCon
   """Each piece's entering state from the maps of the pieces before it, in piece order."""
   NP, HV, K, _ = summary.shape
   N = cu.shape[0] - 1
-  bv = config.h_chain_bv or _h_block_v(config, K)
+  bv = _h_block_v(config, K)
   # One stage: the loop body's loads are a whole [K, K+V] map (256 KB at K=256 V=512), which
   # a second stage would double in shared memory.
   return KernelCall(

@@ -30,15 +30,6 @@ def chunk_span(chunk_desc, cu_seqlens, i_d, M: tl.constexpr, BT: tl.constexpr):
 
 
 @triton.jit
-def tail_block(cu_seqlens, N, R, i_d, M: tl.constexpr, BT: tl.constexpr):
-  """Block i_d of BT rows at or past cu_seqlens[N] * M on a packed stream of R rows, rows that
-  belong to no sequence: (rows as int64, mask of those below R). Kernels with ZERO_TAIL write
-  zeros there, one block per descriptor (the descriptors outnumber such blocks, §5.3)."""
-  row = tl.load(cu_seqlens + N).to(tl.int64) * M + i_d * BT + tl.arange(0, BT)
-  return row, row < R
-
-
-@triton.jit
 def chunk_decays(g, row0, n, i_hv, HV: tl.constexpr, M: tl.constexpr, BT: tl.constexpr):
   """Stage 1 for one chunk of a stream with M rows per token and one value head: the chunk-local
   inclusive cumsum of g~[r] = g[r // M] on each token's first copy (0 on the others), in log2

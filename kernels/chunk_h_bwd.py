@@ -91,23 +91,6 @@ def _update_t(b_dh, b_decay, p_q, tok, mask_q, i_t, o_c, b_k, b_dos, b_xs,
 
 
 @triton.jit
-def _update_merged(b_dh, b_decay, p_q, p_k, row2, mask_r2, mask_q2, i_t, o_c, b_ops,
-                   H: tl.constexpr, K: tl.constexpr, KT: tl.constexpr, M: tl.constexpr,
-                   USE_G: tl.constexpr, DOT_PRECISION: tl.constexpr):
-  """_update_t's two products as one over 2 BT rows: b_ops [BV, 2 BT] holds the do~ and X^T
-  columns interleaved (column 2a + j), so the right operand's row 2a is q~ row a and row
-  2a + 1 key row a, loaded as one tile."""
-  o = i_t * KT + o_c
-  m_c = (o < K)[None, :]
-  is_q = tl.arange(0, row2.shape[0]) % 2 == 0
-  p = tl.where(is_q[:, None], p_q + (row2 // M)[:, None] * (H * K), p_k + row2[:, None] * (H * K))
-  b_r = tl.load(p + o[None, :], mask=tl.where(is_q, mask_q2, mask_r2)[:, None] & m_c, other=0.)
-  if USE_G:
-    b_dh = b_dh * b_decay
-  return tl.dot(b_ops, b_r, b_dh, input_precision=DOT_PRECISION)
-
-
-@triton.jit
 def chunk_h_bwd_kernel(
     # inputs
     q,              # [T, H, K] (normalised) queries, input dtype: q~ on each token's last copy
@@ -144,7 +127,6 @@ def chunk_h_bwd_kernel(
     USE_DH0: tl.constexpr,
     SUMMARY: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
-    MERGE: tl.constexpr = False,  # the update's two products as one (_update_merged)
 ):
   """The reverse pass carrying dS^T, [BV, K] in float32 as one [BV, KT] tile (two at K > 128;
   KT = 64 up to K = 64, else 128), and dV'^T:
@@ -248,25 +230,11 @@ def chunk_h_bwd_kernel(
                    mask=mask_r[:, None], other=0.)
     b_x = tl.dot(b_dv.to(b_ai.dtype), b_ai, input_precision=DOT_PRECISION)
     b_xs = (b_x * (-(b_beta * b_gam))[None, :]).to(b_dos.dtype)
-    if MERGE:
-      b_ops = tl.reshape(tl.join(b_dos, b_xs), [BV, 2 * BT])
-      o_a2 = tl.arange(0, 2 * BT) // 2
-      row2 = bos_x + i_e * BT + o_a2
-      mask_r2 = i_e * BT + o_a2 < len_x
-      mask_q2 = mask_r2 & (row2 % M == M - 1)
-      if SUMMARY:
-        mask_q2 = mask_q2 & (o_a2 < tl.where(local, BT, 0))
-      b_dh1 = _update_merged(b_dh1, b_decay, p_q, p_k, row2, mask_r2, mask_q2, 0, o_c, b_ops,
-                             H, K, KT, M, USE_G, DOT_PRECISION)
-      if K > KT:
-        b_dh2 = _update_merged(b_dh2, b_decay, p_q, p_k, row2, mask_r2, mask_q2, 1, o_c, b_ops,
-                               H, K, KT, M, USE_G, DOT_PRECISION)
-    else:
-      b_dh1 = _update_t(b_dh1, b_decay, p_q, tok, mask_q, 0, o_c, b_k1, b_dos, b_xs, H, K, KT,
+    b_dh1 = _update_t(b_dh1, b_decay, p_q, tok, mask_q, 0, o_c, b_k1, b_dos, b_xs, H, K, KT,
+                      USE_G, DOT_PRECISION)
+    if K > KT:
+      b_dh2 = _update_t(b_dh2, b_decay, p_q, tok, mask_q, 1, o_c, b_k2, b_dos, b_xs, H, K, KT,
                         USE_G, DOT_PRECISION)
-      if K > KT:
-        b_dh2 = _update_t(b_dh2, b_decay, p_q, tok, mask_q, 1, o_c, b_k2, b_dos, b_xs, H, K,
-                          KT, USE_G, DOT_PRECISION)
 
   if SUMMARY:
     # [Pi | E] side by side in one row of K + V columns.

@@ -43,7 +43,7 @@ Parameter order: inputs, outputs, constexprs.
 import triton
 import triton.language as tl
 
-from ._common import chunk_decays, chunk_span, tail_block
+from ._common import chunk_decays, chunk_span
 
 
 @triton.jit
@@ -92,9 +92,10 @@ def chunk_o_fwd_kernel(
   o_v = i_v * BV + tl.arange(0, BV)
   mask_v = o_v < V
   if ZERO_TAIL:
-    r_z, m_z = tail_block(cu_seqlens, N, R, i_d, 1, BT)
+    r_z = tl.load(cu_seqlens + N).to(tl.int64) + i_d * BT + o_t
     tl.store(o + r_z[:, None] * (HV * V) + i_hv * V + o_v[None, :],
-             tl.zeros([BT, BV], dtype=o.dtype.element_ty), mask=m_z[:, None] & mask_v[None, :])
+             tl.zeros([BT, BV], dtype=o.dtype.element_ty),
+             mask=(r_z < R)[:, None] & mask_v[None, :])
   # Token chunks: M = 1 rows per token. t0 is int64 (token * HV*V overflows int32).
   i_n, t0, n = chunk_span(chunk_desc, cu_seqlens, i_d, 1, BT)
   if i_n < 0:

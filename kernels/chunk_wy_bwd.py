@@ -38,7 +38,7 @@ Grid: (expanded-chunk descriptors, HV). Parameter order: inputs, outputs, conste
 import triton
 import triton.language as tl
 
-from ._common import chunk_span, tail_block
+from ._common import chunk_span
 
 
 @triton.jit
@@ -88,7 +88,7 @@ def chunk_wy_bwd_kernel(
   i_h = i_hv // (HV // H)
   o_a = tl.arange(0, BT)
   if ZERO_TAIL:
-    _zero_tail_block(dk, dv, dbeta, dg, cu_seqlens, N, R, i_d, i_hv, HV, K, V, M, BT, BK,
+    _zero_tail_block(dk, dv, dbeta, dg, cu_seqlens, N, R, i_d, i_hv, o_a, HV, K, V, M, BT, BK,
                      BV, USE_G, FINISH_DK)
   i_n, row0, n = chunk_span(chunk_desc, cu_seqlens, i_d, M, BT)
   if i_n < 0:
@@ -230,12 +230,13 @@ def _dk_block(p_k, dw, dk_in, p_kv, b_ait, b_dAm, b_dAmt, b_bg, o_a, o_k, m_rk, 
 
 
 @triton.jit
-def _zero_tail_block(dk, dv, dbeta, dg, cu_seqlens, N, R, i_d, i_hv, HV: tl.constexpr,
+def _zero_tail_block(dk, dv, dbeta, dg, cu_seqlens, N, R, i_d, i_hv, o_a, HV: tl.constexpr,
                      K: tl.constexpr, V: tl.constexpr, M: tl.constexpr, BT: tl.constexpr,
                      BK: tl.constexpr, BV: tl.constexpr, USE_G: tl.constexpr,
                      FINISH_DK: tl.constexpr):
   """Zeros over value head i_hv of block i_d of the rows at or past cu_seqlens[N] * M."""
-  row, mask_r = tail_block(cu_seqlens, N, R, i_d, M, BT)
+  row = tl.load(cu_seqlens + N).to(tl.int64) * M + i_d * BT + o_a
+  mask_r = row < R
   zero = tl.zeros([BT], dtype=tl.float32)
   tl.store(dbeta + row * HV + i_hv, zero, mask=mask_r)
   if USE_G:
