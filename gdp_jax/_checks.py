@@ -392,7 +392,10 @@ _CONFIG_FIELDS = {
         f32_precision=_F32, h_bv_wide=_TILE, h_bv_big_k=_TILE,
         h_piece=_int_rule("an int >= -1 (-1: from the request's shape, 0: never split, n > 0: "
                           "pieces of n expanded chunks)", lambda x: x >= -1),
-        h_split_programs=_COUNT, h_chain_precision=_PRECISION16, h_warps=_WARPS,
+        h_split_programs=_COUNT, h_chain_precision=_PRECISION16, h_chain_bv=_int_rule(
+            "0 (the walk's) or a power of two >= 16",
+            lambda x: x == 0 or (x >= 16 and x & (x - 1) == 0)),
+        h_warps=_WARPS,
         h_stages=_STAGES, h_stages_f32=_STAGES, o_bk=_TILE, o_bv=_TILE, o_warps=_WARPS,
         o_stages=_STAGES),
     BwdConfig: dict(

@@ -117,6 +117,9 @@ class FwdConfig(NamedTuple):
   # The chain's float32 products M_p S + E_p on 16-bit inputs ("tf32x3": three TF32 products on
   # the tensor cores, float32-level accuracy; float32 inputs take f32_precision).
   h_chain_precision: str = "tf32x3"
+  # The chain's V block (0: the walk's). Each program loads every piece's whole [K, K+V] map
+  # and applies it to its [K, BV] columns, one piece after another.
+  h_chain_bv: int = 0
   h_warps: int = 4
   h_stages: int = 3
   # float32 inputs (the reference-precision path) take "ieee" dots, whose operands Triton stages
@@ -212,12 +215,30 @@ class _Pieces(NamedTuple):
   offsets: jax.Array   # [N+1] int32 first row of each sequence in desc
   split: bool          # static: some sequence may have two pieces or more, so the summary
                        # and chain launches run before the walk
+  launch: jax.Array    # [NP, 3] int32 (sequence, piece, row of desc): desc's rows longest
+                       # piece first, the order the scan's programs are issued in
 
 
-def _whole_sequences(N: int, length: int = _WHOLE) -> _Pieces:
+def _launch_order(desc, n_x, length, xp):
+  """desc's rows with their row numbers, longest piece first (a stable sort: ties and padding
+  keep their order). With mixed lengths in more programs than the SMs hold at once, this is the
+  longest-processing-time-first schedule: the last wave holds short pieces instead of long ones
+  that started late. n_x: [N] expanded chunks of each sequence."""
+  seq, piece = desc[:, 0], desc[:, 1]
+  size = xp.where(seq >= 0, xp.clip(n_x[xp.maximum(seq, 0)] - piece * length, 0, length), -1)
+  order = xp.argsort(-size, stable=True)
+  rows = xp.arange(desc.shape[0], dtype=np.int32)
+  return xp.concatenate([desc, rows[:, None]], -1)[order].astype(np.int32)
+
+
+def _whole_sequences(N: int, length: int = _WHOLE, n_x=None) -> _Pieces:
+  """One piece per sequence; with n_x ([N] expanded chunks, traced) issued longest first."""
   seq = np.arange(N, dtype=np.int32)
-  return _Pieces(length, jnp.asarray(np.stack([seq, np.zeros_like(seq)], -1)),
-                 jnp.asarray(np.arange(N + 1, dtype=np.int32)), False)
+  desc = np.stack([seq, np.zeros_like(seq)], -1)
+  launch = (np.concatenate([desc, seq[:, None]], -1) if n_x is None else
+            _launch_order(jnp.asarray(desc), n_x, _WHOLE, jnp))
+  return _Pieces(length, jnp.asarray(desc), jnp.asarray(np.arange(N + 1, dtype=np.int32)),
+                 False, jnp.asarray(launch))
 
 
 def _pieces(B: int, T: int, M: int, cu_seqlens, length: int) -> _Pieces:
@@ -229,18 +250,20 @@ def _pieces(B: int, T: int, M: int, cu_seqlens, length: int) -> _Pieces:
     per = -(-n_x // length) if length else 1
     if per <= 1:
       return _whole_sequences(B, length or _WHOLE)
-    return _Pieces(length, jnp.asarray(_dense_descriptors(B, T * M, BT * length)),
-                   jnp.asarray(np.arange(B + 1, dtype=np.int32) * per), True)
+    desc = _dense_descriptors(B, T * M, BT * length)
+    return _Pieces(length, jnp.asarray(desc), jnp.asarray(np.arange(B + 1, dtype=np.int32) * per),
+                   True, jnp.asarray(_launch_order(desc, np.full(B, n_x), length, np)))
   N = cu_seqlens.shape[0] - 1
+  cu = cu_seqlens.astype(jnp.int32)
+  seq_x = -(-(cu[1:] - cu[:-1]) * M // BT)
   n_x = min(T * M, (T * M) // BT + N)  # expanded chunks of all sequences together, at most
   if not length or n_x <= length:
-    return _whole_sequences(N, length or _WHOLE)
-  cu = cu_seqlens.astype(jnp.int32)
-  rows = BT * length
-  counts = jnp.maximum(((cu[1:] - cu[:-1]) * M + rows - 1) // rows, 1)
+    return _whole_sequences(N, length or _WHOLE, seq_x)
+  counts = jnp.maximum(-(-seq_x // length), 1)
   offsets = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(counts).astype(jnp.int32)])
   # sum_n max(1, ceil(x_n / L)) <= sum_n (floor(x_n / L) + 1) <= n_x // L + N.
-  return _Pieces(length, descriptors_from_offsets(offsets, n_x // length + N), offsets, True)
+  desc = descriptors_from_offsets(offsets, n_x // length + N)
+  return _Pieces(length, desc, offsets, True, _launch_order(desc, seq_x, length, jnp))
 
 
 def _block(size: int, width: int) -> int:
@@ -339,7 +362,7 @@ def _scan_launch(k, v, beta, Ai, gx, cu, offsets, n_rows, *, M, h0, state_indice
     # It reads no state: only the slots, to skip padding.
     h0, final_kind, snap_dtype = None, "none", None
     outs = (_f32(1), _f32(1), _f32(1), _f32(1), _f32(NP, HV, K, K + V))
-    grid = (NP * HV, -(-K // bv) + nv)
+    grid = (NP * HV * (-(-K // bv) + nv),)
   else:
     if final_kind == "cache":
       # Argument 2 (h0, the cache) is output 3: updated in place when donated.
@@ -350,14 +373,14 @@ def _scan_launch(k, v, beta, Ai, gx, cu, offsets, n_rows, *, M, h0, state_indice
             jax.ShapeDtypeStruct((n_rows, HV, K, V), snap_dtype) if snap_dtype is not None
             else _f32(1),
             jax.ShapeDtypeStruct((TM, HV, V), k.dtype), final, _f32(1))
-    grid = (NP * HV, nv)
+    grid = (NP * HV * nv,)
   # float32 beta: each chunk's per-row beta load sits in the scan's sequential chain, and Triton
   # pipelines it (cp.async, 4 bytes or more per row) only in float32; a bf16 beta is loaded
   # where it is used, a global-memory latency per chunk (B=1 T=8192, 256 chunks: scan 0.453
   # against 0.319 ms with float32 beta, H200, 2026-11-30).
   return KernelCall(
       "chunk_h.chunk_h_fwd_kernel",
-      (k, _opt(gx), _opt(h0), _opt(state_indices, jnp.int32), cu, offsets, pieces.desc,
+      (k, _opt(gx), _opt(h0), _opt(state_indices, jnp.int32), cu, offsets, pieces.launch,
        pieces.length, _opt(h_start), HV * K * V, K * V, S, _opt(rk), v,
        beta.astype(jnp.float32), Ai),
       outs, grid=grid, aliases=aliases, num_warps=config.h_warps,
@@ -375,7 +398,7 @@ def _chain_launch(h0, state_indices, cu, summary, *, M, V, dtype, config: FwdCon
   """Each piece's entering state from the maps of the pieces before it, in piece order."""
   NP, HV, K, _ = summary.shape
   N = cu.shape[0] - 1
-  bv = _h_block_v(config, K)
+  bv = config.h_chain_bv or _h_block_v(config, K)
   # One stage: the loop body's loads are a whole [K, K+V] map (256 KB at K=256 V=512), which
   # a second stage would double in shared memory.
   return KernelCall(

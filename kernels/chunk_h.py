@@ -50,10 +50,14 @@ affine in S, so three launches give every piece its entering state:
              writes the cache slot S0 came from), writing its own checkpoints and v_new rows,
              and the last piece the final state.
 
-Grid: (NP * HV, ceil(V / BV)), with SUMMARY (NP * HV, ceil(K / BV) + ceil(V / BV)), NP the rows
-of the piece list. Program (i_jh, i_v) owns piece row i_jh // HV, value head i_jh % HV, columns
-i_v*BV .. i_v*BV + BV - 1; a row past the list's count returns at once. NP * HV sits on axis 0,
-which has no 65535 cap.
+Grid: (NP * HV * NC,), NC = ceil(V / BV) column blocks (with SUMMARY ceil(K / BV) +
+ceil(V / BV)), NP the rows of the piece list. Program i owns list row i // (HV NC), column block
+(i // HV) % NC (columns BV times that onwards) and value head i % HV; a row past the list's
+count returns at once. The GPU issues programs in index order, so the caller lists the pieces
+longest first: with mixed lengths (packed batches) in more programs than the SMs hold at once,
+short pieces then fill the last wave instead of long ones starting late (docs/performance.md,
+stage 5). A list row carries the piece's row in h_start and summary, which stay in sequence
+order for the chain kernel; the order changes no program's arithmetic.
 
 Parameter order: inputs, outputs, constexprs.
 """
@@ -201,7 +205,8 @@ def chunk_h_fwd_kernel(
     state_indices,  # [N] int32 slot per sequence; a placeholder without HAS_STATE_INDICES
     cu_seqlens,     # [N+1] int32 token-stream sequence starts
     chunk_offsets,  # [N+1] int32 first row of each sequence in h
-    pieces,         # [NP, 2] int32 (sequence, piece) of each program row; (-1, 0) past the end
+    pieces,         # [NP, 3] int32 (sequence, piece, row in h_start and summary) in launch
+                    # order; (-1, 0, row) past the end
     piece,          # expanded chunks per piece
     h_start,        # [NP, HV, K, V] float32 state entering each piece of a split sequence
                     # (chunk_h_chain_kernel); a placeholder when no sequence can split
@@ -239,12 +244,15 @@ def chunk_h_fwd_kernel(
     SUMMARY: tl.constexpr,    # write each piece's affine map instead of walking it
     DOT_PRECISION: tl.constexpr,  # "ieee" for float32 inputs, else the tensor-core default
 ):
-  i_jh, i_v = tl.program_id(0), tl.program_id(1)
-  i_j = i_jh // HV
-  i_hv = i_jh % HV
+  NC: tl.constexpr = (V + BV - 1) // BV + SUMMARY * ((K + BV - 1) // BV)
+  i_r = tl.program_id(0)
+  i_hv = i_r % HV
+  i_v = (i_r // HV) % NC
+  p_row = pieces + (i_r // (HV * NC)) * 3
   i_h = i_hv // (HV // H)
-  i_n = tl.load(pieces + i_j * 2)
-  i_p = tl.load(pieces + i_j * 2 + 1).to(tl.int64)
+  i_n = tl.load(p_row)
+  i_p = tl.load(p_row + 1).to(tl.int64)
+  i_j = tl.load(p_row + 2).to(tl.int64)
   if i_n < 0:
     return
   # int64 throughout: row * HV*V, chunk * HV*K*V and slot * HV*K*V overflow int32 (a cache of
@@ -289,7 +297,7 @@ def chunk_h_fwd_kernel(
   else:
     if n_pieces > 1:
       # Piece 0 too: the last piece writes the cache slot, which no piece may read meanwhile.
-      b_h1, b_h2, b_h3, b_h4 = _load_state(h_start + (i_j.to(tl.int64) * HV + i_hv) * (K * V),
+      b_h1, b_h2, b_h3, b_h4 = _load_state(h_start + (i_j * HV + i_hv) * (K * V),
                                            o_k, o_v, mask_v, K, V)
     else:
       if USE_INITIAL_STATE:
@@ -360,7 +368,7 @@ def chunk_h_fwd_kernel(
 
   if SUMMARY:
     # [M_p | E_p] side by side in one row of K + V columns.
-    p_s = summary + (i_j.to(tl.int64) * HV + i_hv) * (K * (K + V))
+    p_s = summary + (i_j * HV + i_hv) * (K * (K + V))
     _store_state(p_s, b_h1, b_h2, b_h3, b_h4, o_k, o_v + tl.where(local, K, 0), mask_v, K,
                  K + V)
   else:

@@ -38,8 +38,12 @@ No operand of a dot is the transpose of another dot's result: Triton 3.4 to 3.7.
 that pattern on Hopper (FLA #640). The one transposed operand, K^T, is the
 transpose of the key tile loaded for the chunk's other key product.
 
-Grid: (N * HV, ceil(V / BV), NP), as the forward scan with a piece axis; with SUMMARY
-(N * HV, ceil(K / BV) + ceil(V / BV), NP - 1). Parameter order: inputs, outputs, constexprs.
+Grid: (N * NPL * NC * HV,), NC = ceil(V / BV) column blocks and NPL = NP pieces (with SUMMARY
+NC = ceil(K / BV) + ceil(V / BV) and NPL = NP - 1). Program i owns sequence order[i // (NPL NC
+HV)], piece (i // (NC HV)) % NPL (plus 1 with SUMMARY), column block (i // HV) % NC and value
+head i % HV. The GPU issues programs in index order and the caller lists the sequences longest
+first, so that with mixed lengths short walks fill the last wave (the forward scan's rule,
+kernels/chunk_h.py). Parameter order: inputs, outputs, constexprs.
 """
 import triton
 import triton.language as tl
@@ -104,6 +108,7 @@ def chunk_h_bwd_kernel(
                     # final-state cotangent at NP = 1); placeholder unless USE_DHT
     cu_seqlens,     # [N+1] int32 token-stream sequence starts
     chunk_offsets,  # [N+1] int32 first row of each sequence in dh (expanded chunks)
+    order,          # [N] int32 the sequences in launch order
     scale,          # float32 query scale
     # outputs
     dh,             # [NXR, HV, K, V] cotangent of the state leaving each chunk, input dtype;
@@ -144,11 +149,13 @@ def chunk_h_bwd_kernel(
   are read and written transposed, in their usual layouts. The dots' M is BV: below wgmma's 64
   (BV = 32, BwdConfig.h_bv_big_k's default at K > 128) Triton compiles them to mma.sync."""
   KT: tl.constexpr = 64 if K <= 64 else 128
-  i_nh, i_v, i_p = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-  if SUMMARY:
-    i_p += 1
-  i_n = i_nh // HV
-  i_hv = i_nh % HV
+  NC: tl.constexpr = (V + BV - 1) // BV + SUMMARY * ((K + BV - 1) // BV)
+  NPL: tl.constexpr = NP - SUMMARY
+  i_r = tl.program_id(0)
+  i_hv = i_r % HV
+  i_v = (i_r // HV) % NC
+  i_p = (i_r // (HV * NC)) % NPL + SUMMARY
+  i_n = tl.load(order + i_r // (HV * NC * NPL))
   i_h = i_hv // (HV // H)
   bos = tl.load(cu_seqlens + i_n).to(tl.int64)
   eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)

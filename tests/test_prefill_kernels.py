@@ -273,11 +273,13 @@ SPLIT_CASES = [
                          else "pieces-" + "-".join(map(str, x)))
 def test_split_scan(c, lengths, monkeypatch):
   """The split walk (summary, chain, walk per piece) against the float64 reference: o, final
-  state or cache slots, chunk states, padding zeros, untouched slots."""
+  state or cache slots, chunk states, padding zeros, untouched slots; the chain at the walk's V
+  block and, for the first length, at 16 (FwdConfig.h_chain_bv)."""
   launched = spy_launches(monkeypatch)
   for L in lengths:
     check_prefill(c, KERNEL_BACKEND, config=pk.FwdConfig(h_piece=L))
-  assert launched.count("chunk_h.chunk_h_chain_kernel") == len(lengths), "no split happened"
+  check_prefill(c, KERNEL_BACKEND, config=pk.FwdConfig(h_piece=lengths[0], h_chain_bv=16))
+  assert launched.count("chunk_h.chunk_h_chain_kernel") == len(lengths) + 1, "no split happened"
 
 
 # Shapes of its own (no other test compiles them), so that the launches are traced here.
@@ -316,8 +318,9 @@ def test_config_opts_out_of_the_default_split(monkeypatch):
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_split_scan_gpu(dtype):
   """One long sequence, B=1 T=8192 H=4 K=V=128 M=2 (256 expanded chunks), unsplit and in pieces
-  of 16 and 64 chunks (the default): each against the float64 reference, the split ones no
-  further from it than the unsplit scan (within 25%, plus float32 rounding). Weak decays and
+  of 16 and 64 chunks (the default), and in pieces of 16 with the chain's V block at 16: each
+  against the float64 reference, the split ones no further from it than the unsplit scan
+  (within 25%, plus float32 rounding). Weak decays and
   beta below 0.1, so that a piece's map M_p keeps a fair share of its entering state (with beta
   up to 2 the delta rule itself forgets a state within a few chunks at K = 128)."""
   c = Case(B=1, T=8192, H=4, HV=4, K=128, V=128, M=2, dtype=dtype, l2norm=True, init=True,
@@ -326,17 +329,17 @@ def test_split_scan_gpu(dtype):
   a["beta"] = (a["beta"].astype(jnp.float32) * 0.05).astype(a["beta"].dtype)
   ref = reference.chunk_gated_delta_product(**upcast(a), **upcast(kw))
   errs = {}
-  for L in (0, 16, 64):
-    out = gdp_jax.chunk_gated_delta_product(**a, **kw, config=pk.FwdConfig(h_piece=L),
-                                            backend="triton")
-    errs[L] = [err_ratio(r, o) for r, o in zip(ref, out)]
-  print(f"relative error to the reference (o, final state) by piece length: {errs}")
+  for L, bv in ((0, 0), (16, 0), (64, 0), (16, 16)):
+    out = gdp_jax.chunk_gated_delta_product(
+        **a, **kw, config=pk.FwdConfig(h_piece=L, h_chain_bv=bv), backend="triton")
+    errs[L, bv] = [err_ratio(r, o) for r, o in zip(ref, out)]
+  print(f"relative error to the reference (o, final state) by (piece, chain BV): {errs}")
   tols = (RTOL[dtype], 1e-5 if dtype == "float32" else 1e-2)
   for L, (e_o, e_s) in errs.items():
-    assert e_o < tols[0] and e_s < tols[1], f"pieces of {L}: o {e_o:.2e}, state {e_s:.2e}"
-  for L in (16, 64):
-    for name, e, e0 in zip(("o", "final state"), errs[L], errs[0]):
-      assert e <= 1.25 * e0 + 1e-6, f"{name}, pieces of {L}: {e:.2e} against {e0:.2e} unsplit"
+    assert e_o < tols[0] and e_s < tols[1], f"pieces {L}: o {e_o:.2e}, state {e_s:.2e}"
+  for L in ((16, 0), (64, 0), (16, 16)):
+    for name, e, e0 in zip(("o", "final state"), errs[L], errs[0, 0]):
+      assert e <= 1.25 * e0 + 1e-6, f"{name}, pieces {L}: {e:.2e} against {e0:.2e} unsplit"
 
 
 def test_pieces():
@@ -349,10 +352,16 @@ def test_pieces():
   assert p.split and n == 1 + 1 + 2 + 1 + 1
   assert np.asarray(p.desc[:n]).tolist() == [[0, 0], [1, 0], [2, 0], [2, 1], [3, 0], [4, 0]]
   assert np.all(np.asarray(p.desc[n:]) == [-1, 0])
+  # Issued longest piece first (ties in row order), padding last, each row with its own number.
+  assert np.asarray(p.launch).tolist()[:n + 1] == [[2, 0, 2], [3, 0, 4], [0, 0, 0], [2, 1, 3],
+                                                    [4, 0, 5], [1, 0, 1], [-1, 0, 6]]
+  w = pk._pieces(1, 200, 2, cu, 0)
+  assert np.asarray(w.launch).tolist() == [[2, 0, 2], [3, 0, 3], [0, 0, 0], [4, 0, 4], [1, 0, 1]]
   assert not pk._pieces(1, 200, 2, cu, 0).split
   assert not pk._pieces(1, 60, 2, cu[:3], 4).split         # min(120, 1 + 2) chunks <= 4
   d = pk._pieces(2, 130, 3, None, 2)                        # 7 chunks each: 4 pieces
   assert d.split and np.asarray(d.offsets).tolist() == [0, 4, 8]
+  assert np.asarray(d.launch)[:, 2].tolist() == [0, 1, 2, 4, 5, 6, 3, 7]   # pieces of 1 last
   assert not pk._pieces(2, 130, 3, None, 7).split
   # The default length, from the per-request shape alone: 2048 tokens where a sequence has at
   # most 32 walk programs (H=16 K=V=128 at BV 64), none at H=32 or K=256 V=512 H=6 (BV 32).
