@@ -31,7 +31,9 @@ process imports neither jax nor torch, so it holds no device memory.
 Times: JAX, the median over repeats of a batch of back-to-back calls timed to
 block_until_ready (common.time_jax); torch, triton.testing.do_bench's median (common.time_torch)
 and, where the capture works, the call replayed from a CUDA graph (its device time without its
-Python launches). All workers share one Triton cache directory, so a worker's first call
+Python launches). `kernel_ms` is the device time of the kernels alone (CUPTI, through
+jax.profiler or torch.profiler: the sum of the kernels of three calls, over three), which a host
+too slow to keep the GPU fed leaves unchanged while it inflates `time_ms`. All workers share one Triton cache directory, so a worker's first call
 (`first_call_s`) is not a compile-time measurement. The floor is the bytes fwd+bwd must move at
 least (q, k, v, g, beta and do read once, their gradients written once) over 4.27 TB/s.
 `agree` is the largest relative difference ||dX - dX_ours|| / ||dX_ours|| over 4096 sampled
@@ -199,6 +201,18 @@ def jax_op(impl: str, s: dict, backend: str, configs: dict | None = None):
   return op, names
 
 
+# Device time per call: the kernels of KERNEL_CALLS back-to-back calls (CUPTI), summed, without
+# the gaps between them, which on a GPU machine with a slow host can double the wall time.
+KERNEL_CALLS = 3
+
+
+def _kernel_ms(profile) -> float | str:
+  try:
+    return profile()["busy_us"] / KERNEL_CALLS / 1e3
+  except Exception as e:             # a profiler that does not start costs the column only
+    return f"{type(e).__name__}: {e}"[:200]
+
+
 def jax_worker(task: dict, out: str) -> None:
   import jax
   import jax.numpy as jnp
@@ -244,6 +258,7 @@ def jax_worker(task: dict, out: str) -> None:
     del val, grads
     t = common.time_jax(lambda: f(*args))
     rec.update(time_ms=t["ms"], spread=t["spread"], batch=t["batch"], repeats=t["repeats"])
+    rec["kernel_ms"] = _kernel_ms(lambda: common.profile_jax(lambda: f(*args), calls=KERNEL_CALLS))
     try:
       ma = f.lower(*args).compile().memory_analysis()
       rec["xla_memory"] = {k: getattr(ma, k, None) for k in (
@@ -331,6 +346,7 @@ def torch_worker(task: dict, out: str) -> None:
       rec["finite"] = all(bool(torch.isfinite(gr.float()).all()) for gr in grads)
       del o, grads
       rec["time_ms"] = common.time_torch(lambda: step())
+      rec["kernel_ms"] = _kernel_ms(lambda: common.profile_torch(step, calls=KERNEL_CALLS))
       steps[impl] = (rec, step)
     except Exception as e:
       rec["error"] = f"{type(e).__name__}: {e}"[:800]
@@ -507,7 +523,8 @@ COLS = [
     ("row", "row", "d"), ("shape", "shape", "s"), ("impl", "impl", "s"),
     ("time_ms", "ms", ".3f"), ("spread", "spr", ".2f"), ("graph_ms", "graph_ms", ".3f"),
     ("floor_ms", "floor_ms", ".3f"), ("time_over_floor", "/floor", ".1f"),
-    ("time_over_jla", "/jla", ".2f"), ("peak_MB", "peak_MB", ".0f"),
+    ("time_over_jla", "/jla", ".2f"), ("kernel_ms", "kern_ms", ".3f"),
+    ("kernel_over_jla", "kern/jla", ".2f"), ("peak_MB", "peak_MB", ".0f"),
     ("inputs_MB", "inputs_MB", ".0f"), ("peak_over_jla", "peak/jla", ".2f"),
     ("agree", "agree", ".1e"), ("first_call_s", "1st_s", ".1f"), ("status", "status", "s"),
 ]
@@ -639,6 +656,8 @@ def finish_row(rows: list[dict], i: int) -> None:
   for r in mine.values():
     if r.get("time_ms") and jla.get("time_ms"):
       r["time_over_jla"] = r["time_ms"] / jla["time_ms"]
+    if isinstance(r.get("kernel_ms"), float) and isinstance(jla.get("kernel_ms"), float):
+      r["kernel_over_jla"] = r["kernel_ms"] / jla["kernel_ms"]
     if r.get("peak_bytes") and jla.get("peak_bytes"):
       r["peak_over_jla"] = r["peak_bytes"] / jla["peak_bytes"]
     partner = mine.get(PARTNER.get(r["impl"], ""), {})
