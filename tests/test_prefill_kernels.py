@@ -273,12 +273,12 @@ SPLIT_CASES = [
                          else "pieces-" + "-".join(map(str, x)))
 def test_split_scan(c, lengths, monkeypatch):
   """The split walk (summary, chain, walk per piece) against the float64 reference: o, final
-  state or cache slots, chunk states, padding zeros, untouched slots; the chain at the walk's V
-  block and, for the first length, at 16 (FwdConfig.h_chain_bv)."""
+  state or cache slots, chunk states, padding zeros, untouched slots; the chain at its default V
+  block and, for the first length, at the walk's (FwdConfig.h_chain_bv=0)."""
   launched = spy_launches(monkeypatch)
   for L in lengths:
     check_prefill(c, KERNEL_BACKEND, config=pk.FwdConfig(h_piece=L))
-  check_prefill(c, KERNEL_BACKEND, config=pk.FwdConfig(h_piece=lengths[0], h_chain_bv=16))
+  check_prefill(c, KERNEL_BACKEND, config=pk.FwdConfig(h_piece=lengths[0], h_chain_bv=0))
   assert launched.count("chunk_h.chunk_h_chain_kernel") == len(lengths) + 1, "no split happened"
 
 
@@ -318,7 +318,7 @@ def test_config_opts_out_of_the_default_split(monkeypatch):
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_split_scan_gpu(dtype):
   """One long sequence, B=1 T=8192 H=4 K=V=128 M=2 (256 expanded chunks), unsplit and in pieces
-  of 16 and 64 chunks (the default), and in pieces of 16 with the chain's V block at 16: each
+  of 16 and 64 chunks (the default), and in pieces of 16 with the chain at the walk's V block: each
   against the float64 reference, the split ones no further from it than the unsplit scan
   (within 25%, plus float32 rounding). Weak decays and
   beta below 0.1, so that a piece's map M_p keeps a fair share of its entering state (with beta
@@ -329,7 +329,7 @@ def test_split_scan_gpu(dtype):
   a["beta"] = (a["beta"].astype(jnp.float32) * 0.05).astype(a["beta"].dtype)
   ref = reference.chunk_gated_delta_product(**upcast(a), **upcast(kw))
   errs = {}
-  for L, bv in ((0, 0), (16, 0), (64, 0), (16, 16)):
+  for L, bv in ((0, 16), (16, 16), (64, 16), (16, 0)):
     out = gdp_jax.chunk_gated_delta_product(
         **a, **kw, config=pk.FwdConfig(h_piece=L, h_chain_bv=bv), backend="triton")
     errs[L, bv] = [err_ratio(r, o) for r, o in zip(ref, out)]
@@ -337,8 +337,8 @@ def test_split_scan_gpu(dtype):
   tols = (RTOL[dtype], 1e-5 if dtype == "float32" else 1e-2)
   for L, (e_o, e_s) in errs.items():
     assert e_o < tols[0] and e_s < tols[1], f"pieces {L}: o {e_o:.2e}, state {e_s:.2e}"
-  for L in ((16, 0), (64, 0), (16, 16)):
-    for name, e, e0 in zip(("o", "final state"), errs[L], errs[0, 0]):
+  for L in ((16, 16), (64, 16), (16, 0)):
+    for name, e, e0 in zip(("o", "final state"), errs[L], errs[0, 16]):
       assert e <= 1.25 * e0 + 1e-6, f"{name}, pieces {L}: {e:.2e} against {e0:.2e} unsplit"
 
 
