@@ -33,9 +33,10 @@ block_until_ready (common.time_jax); torch, triton.testing.do_bench's median (co
 and, where the capture works, the call replayed from a CUDA graph (its device time without its
 Python launches). `kernel_ms` is the device time of the kernels alone (CUPTI, through
 jax.profiler or torch.profiler: the sum of the kernels of three calls, over three), which a host
-too slow to keep the GPU fed leaves unchanged while it inflates `time_ms`. All workers share one Triton cache directory, so a worker's first call
-(`first_call_s`) is not a compile-time measurement. The floor is the bytes fwd+bwd must move at
-least (q, k, v, g, beta and do read once, their gradients written once) over 4.27 TB/s.
+too slow to keep the GPU fed leaves unchanged while it inflates `time_ms`. All workers share one
+Triton cache directory, so a worker's first call (`first_call_s`) is not a compile-time
+measurement. The floor is the bytes fwd+bwd must move at least (q, k, v, g, beta and do read
+once, their gradients written once) over 4.27 TB/s.
 `agree` is the largest relative difference ||dX - dX_ours|| / ||dX_ours|| over 4096 sampled
 entries of each gradient (the same positions in every worker), against ours (fla against
 ours_ungated): a layout mistake shows as O(1), bf16 agreement as about 1e-2.

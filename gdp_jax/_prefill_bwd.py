@@ -199,15 +199,6 @@ def _h_pieces(cfg: BwdConfig, programs: int) -> int:
   return min(cfg.h_split_max, -(-cfg.h_split_programs // programs))
 
 
-def _launch_order(cu_seqlens, N: int):
-  """chunk_h_bwd's sequences longest first, ties in order (kernels/chunk_h_bwd.py): packed
-  lengths vary, dense ones do not."""
-  if cu_seqlens is None:
-    return jnp.arange(N, dtype=jnp.int32)
-  cu = cu_seqlens.astype(jnp.int32)
-  return jnp.argsort(cu[:-1] - cu[1:], stable=True).astype(jnp.int32)
-
-
 def _piece_states(summary, dht, K):
   """The cotangent of the state leaving each piece, [N, P, HV, K, V] float32.
 
@@ -270,7 +261,10 @@ def _backward(q, k, v, g, beta, initial_state, cu_seqlens, res, do, dht, static)
   # [Pi | E]), _piece_states chains the maps from the last piece back, and the walk runs every
   # piece from the dS leaving it. Unsplit, the walk starts from dht alone.
   h_args = (qn, kn, gx if use_g else ph(), beta_p, Ai, do_t, dv_local)
-  h_tail = (cu, offsets_x, _launch_order(cu_seqlens, N), float(static.scale))
+  # The sequences longest first, as the forward scan issues its pieces (kernels/chunk_h_bwd.py).
+  order = pk._whole_sequences(
+      N, n_x=None if cu_seqlens is None else pk._expanded_chunks(cu, M)).launch[:, 0]
+  h_tail = (cu, offsets_x, order, float(static.scale))
   h_kw = dict(
       # float32 inputs stage ieee-dot operands in shared memory: 2 stages need 329 KB at K=256
       # (over the H200's 227 KB, sm_90 compile), 1 stage fits.

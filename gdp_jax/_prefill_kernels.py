@@ -234,6 +234,11 @@ def _launch_order(desc, n_x, length, xp):
   return xp.concatenate([desc, rows[:, None]], -1)[order].astype(np.int32)
 
 
+def _expanded_chunks(cu, M: int):
+  """[N] int32 expanded chunks of each sequence of int32 cu_seqlens `cu` (may be traced)."""
+  return -(-(cu[1:] - cu[:-1]) * M // BT)
+
+
 def _whole_sequences(N: int, length: int = _WHOLE, n_x=None) -> _Pieces:
   """One piece per sequence; with n_x ([N] expanded chunks, traced) issued longest first."""
   seq = np.arange(N, dtype=np.int32)
@@ -258,7 +263,7 @@ def _pieces(B: int, T: int, M: int, cu_seqlens, length: int) -> _Pieces:
                    True, jnp.asarray(_launch_order(desc, np.full(B, n_x), length, np)))
   N = cu_seqlens.shape[0] - 1
   cu = cu_seqlens.astype(jnp.int32)
-  seq_x = -(-(cu[1:] - cu[:-1]) * M // BT)
+  seq_x = _expanded_chunks(cu, M)
   n_x = min(T * M, (T * M) // BT + N)  # expanded chunks of all sequences together, at most
   if not length or n_x <= length:
     return _whole_sequences(N, length or _WHOLE, seq_x)

@@ -395,10 +395,12 @@ def test_split_rule():
   assert _prefill_bwd._h_pieces(cfg, 1) == cfg.h_split_max
   assert _prefill_bwd._h_pieces(cfg._replace(h_split=3), 512) == 3
   assert _prefill_bwd._h_pieces(cfg._replace(h_split=1), 1) == 1
-  # The walk's sequences are issued longest first (ties and empty ones in order).
+  # The walk's sequences are issued longest first (ties and empty ones in order), by the forward
+  # scan's list of whole sequences.
   cu = jnp.asarray([0, 5, 5, 70, 134, 199, 200])
-  assert np.asarray(_prefill_bwd._launch_order(cu, 6)).tolist() == [2, 4, 3, 0, 5, 1]
-  assert np.asarray(_prefill_bwd._launch_order(None, 3)).tolist() == [0, 1, 2]
+  order = pk._whole_sequences(6, n_x=pk._expanded_chunks(cu, 2)).launch[:, 0]
+  assert np.asarray(order).tolist() == [2, 4, 3, 0, 5, 1]
+  assert np.asarray(pk._whole_sequences(3).launch[:, 0]).tolist() == [0, 1, 2]
 
 
 def test_split_forward_scan():

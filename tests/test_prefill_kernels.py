@@ -357,7 +357,7 @@ def test_pieces():
                                                     [4, 0, 5], [1, 0, 1], [-1, 0, 6]]
   w = pk._pieces(1, 200, 2, cu, 0)
   assert np.asarray(w.launch).tolist() == [[2, 0, 2], [3, 0, 3], [0, 0, 0], [4, 0, 4], [1, 0, 1]]
-  assert not pk._pieces(1, 200, 2, cu, 0).split
+  assert not w.split
   assert not pk._pieces(1, 60, 2, cu[:3], 4).split         # min(120, 1 + 2) chunks <= 4
   d = pk._pieces(2, 130, 3, None, 2)                        # 7 chunks each: 4 pieces
   assert d.split and np.asarray(d.offsets).tolist() == [0, 4, 8]
