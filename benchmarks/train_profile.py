@@ -6,7 +6,8 @@ train.host_inputs: bf16, logsigmoid decays, beta in (0, 1), L2-normalised q and 
 
 With --variant (repeatable) or --variants (';'-separated), each row also runs the backward under
 other block configs (gdp_jax._prefill_bwd.BwdConfig fields, e.g. "o_bk=128,o_warps=8" or
-"h_split=4": the reverse state pass in 4 pieces per sequence), profiled the same way, and checks
+"h_split=4": the reverse state pass in 4 pieces per sequence; FwdConfig fields for the training
+forward; "fwd.h_stages=2" for a field both have), profiled the same way, and checks
 each variant's gradients against the default config's in the same process: the relative error
 ||variant - default|| / ||default|| per input (bf16 inputs: different tilings round differently,
 so expect about 1e-3, not 0). A closing table puts each run's step time and its time in the
@@ -31,38 +32,49 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # noqa: E402
 import train  # noqa: E402
 
-# The Triton kernels whose time the closing table lists per run: the backward's, and the
-# forward's stages 2 and 3, which the training forward runs too.
-KERNELS = ("chunk_kkt", "chunk_solve", "chunk_dv_local", "chunk_h_bwd", "chunk_o_bwd",
-           "chunk_wy_bwd", "qk_bwd")
+# The Triton kernels whose time the closing table lists per run: the training forward's and the
+# backward's.
+KERNELS = ("chunk_kkt", "chunk_solve", "chunk_h_fwd", "chunk_h_chain", "chunk_o_fwd",
+           "chunk_dv_local", "chunk_h_bwd", "chunk_o_bwd", "chunk_wy_bwd", "qk_bwd")
 
 
 def parse_variant(text: str) -> dict:
   """"o_bk=128,o_warps=8" -> {"o_bk": 128, "o_warps": 8}; names checked against BwdConfig and
-  FwdConfig (a FwdConfig field sets the forward rule's kernels, e.g. solve_precision=tf32);
-  values are ints, or strings where they are not digits."""
+  FwdConfig (a FwdConfig field sets the forward rule's kernels, e.g. solve_precision=tf32). A
+  field both configs have (h_stages, f32_precision) sets both, unless prefixed "fwd." or "bwd."
+  (fwd.h_stages=2: the training forward's scan only). Values are ints, or strings where they are
+  not digits."""
   from gdp_jax import _prefill_bwd
   from gdp_jax import _prefill_kernels as pk
-  fields = set(_prefill_bwd.BwdConfig._fields) | set(pk.FwdConfig._fields)
+  fields = {"bwd": set(_prefill_bwd.BwdConfig._fields), "fwd": set(pk.FwdConfig._fields)}
   out = {}
   for kv in filter(None, text.split(",")):
     name, _, value = kv.partition("=")
-    if name not in fields:
-      raise SystemExit(f"--variant: {name!r} is neither a BwdConfig nor a FwdConfig field "
-                       f"({', '.join(sorted(fields))})")
+    which, _, field = name.rpartition(".")
+    if which not in ("", "fwd", "bwd") or not any(
+        field in f for w, f in fields.items() if which in ("", w)):
+      bwd, fwd = (", ".join(sorted(fields[w])) for w in ("bwd", "fwd"))
+      raise SystemExit(f"--variant: {name!r} is not a field of BwdConfig ({bwd}) or FwdConfig "
+                       f"({fwd}), optionally prefixed bwd. or fwd.")
     out[name] = int(value) if value.lstrip("-").isdigit() else value  # f32_precision=ieee
   return out
 
 
 def split_variant(var: dict):
-  """(BwdConfig, FwdConfig) of a variant: each field to the config that has it; f32_precision,
-  which both have, to both (as the public entry point's configs would be set)."""
+  """(BwdConfig, FwdConfig) of a variant: each field to the config that has it (or that its
+  prefix names); f32_precision, which both have, to both (as the public entry point's configs
+  would be set)."""
   from gdp_jax import _prefill_bwd
   from gdp_jax import _prefill_kernels as pk
-  bwd = {k: v for k, v in var.items() if k in _prefill_bwd.BwdConfig._fields}
-  fwd = {k: v for k, v in var.items() if k in pk.FwdConfig._fields}
-  cfg = _prefill_bwd.BwdConfig()._replace(**bwd)
-  return cfg, pk.FwdConfig(f32_precision=cfg.f32_precision)._replace(**fwd)
+  picked = {"bwd": {}, "fwd": {}}
+  for name, value in var.items():
+    which, _, field = name.rpartition(".")
+    for w, cls in (("bwd", _prefill_bwd.BwdConfig), ("fwd", pk.FwdConfig)):
+      if which in ("", w) and field in cls._fields:
+        picked[w][field] = value
+  cfg = _prefill_bwd.BwdConfig()._replace(**picked["bwd"])
+  fwd = pk.FwdConfig(f32_precision=cfg.f32_precision)._replace(**picked["fwd"])
+  return cfg, fwd
 
 
 def rel_err(a, b) -> float:
