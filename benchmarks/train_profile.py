@@ -38,6 +38,16 @@ KERNELS = ("chunk_kkt", "chunk_solve", "chunk_h_fwd", "chunk_h_chain", "chunk_o_
            "chunk_dv_local", "chunk_h_bwd", "chunk_o_bwd", "chunk_wy_bwd", "qk_bwd")
 
 
+def _targets(name: str) -> list[tuple[str, str]]:
+  """The (config, field) pairs a variant name sets: "bwd" (BwdConfig) and/or "fwd" (FwdConfig);
+  an unprefixed field that both configs have sets both."""
+  from gdp_jax import _prefill_bwd
+  from gdp_jax import _prefill_kernels as pk
+  which, _, field = name.rpartition(".")
+  return [(w, field) for w, cls in (("bwd", _prefill_bwd.BwdConfig), ("fwd", pk.FwdConfig))
+          if which in ("", w) and field in cls._fields]
+
+
 def parse_variant(text: str) -> dict:
   """"o_bk=128,o_warps=8" -> {"o_bk": 128, "o_warps": 8}; names checked against BwdConfig and
   FwdConfig (a FwdConfig field sets the forward rule's kernels, e.g. solve_precision=tf32). A
@@ -46,14 +56,11 @@ def parse_variant(text: str) -> dict:
   not digits."""
   from gdp_jax import _prefill_bwd
   from gdp_jax import _prefill_kernels as pk
-  fields = {"bwd": set(_prefill_bwd.BwdConfig._fields), "fwd": set(pk.FwdConfig._fields)}
   out = {}
   for kv in filter(None, text.split(",")):
     name, _, value = kv.partition("=")
-    which, _, field = name.rpartition(".")
-    if which not in ("", "fwd", "bwd") or not any(
-        field in f for w, f in fields.items() if which in ("", w)):
-      bwd, fwd = (", ".join(sorted(fields[w])) for w in ("bwd", "fwd"))
+    if not _targets(name):
+      bwd, fwd = (", ".join(sorted(c._fields)) for c in (_prefill_bwd.BwdConfig, pk.FwdConfig))
       raise SystemExit(f"--variant: {name!r} is not a field of BwdConfig ({bwd}) or FwdConfig "
                        f"({fwd}), optionally prefixed bwd. or fwd.")
     out[name] = int(value) if value.lstrip("-").isdigit() else value  # f32_precision=ieee
@@ -61,17 +68,14 @@ def parse_variant(text: str) -> dict:
 
 
 def split_variant(var: dict):
-  """(BwdConfig, FwdConfig) of a variant: each field to the config that has it (or that its
-  prefix names); f32_precision, which both have, to both (as the public entry point's configs
-  would be set)."""
+  """(BwdConfig, FwdConfig) of a variant: each field to the config(s) `_targets` names;
+  f32_precision to both unless prefixed (as the public entry point's configs would be set)."""
   from gdp_jax import _prefill_bwd
   from gdp_jax import _prefill_kernels as pk
   picked = {"bwd": {}, "fwd": {}}
   for name, value in var.items():
-    which, _, field = name.rpartition(".")
-    for w, cls in (("bwd", _prefill_bwd.BwdConfig), ("fwd", pk.FwdConfig)):
-      if which in ("", w) and field in cls._fields:
-        picked[w][field] = value
+    for w, field in _targets(name):
+      picked[w][field] = value
   cfg = _prefill_bwd.BwdConfig()._replace(**picked["bwd"])
   fwd = pk.FwdConfig(f32_precision=cfg.f32_precision)._replace(**picked["fwd"])
   return cfg, fwd
