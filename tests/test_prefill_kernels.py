@@ -374,7 +374,7 @@ def test_pieces():
 
 @pytest.mark.slow
 # Derandomized: the same draws on every run, so CI's shapes and time do not change per run.
-@settings(max_examples=10, deadline=None, derandomize=True, database=None,
+@settings(max_examples=6, deadline=None, derandomize=True, database=None,
           suppress_health_check=[HealthCheck.too_slow])
 @given(data=st.data())
 def test_prefill_random_shapes(data):
