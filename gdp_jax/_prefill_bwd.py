@@ -16,9 +16,12 @@ query and the output cotangent placed on each token's last copy (the kernels rea
 the token stream):
 
     per chunk  dV's part inside the chunk, P^T do~                                 chunk_dv_bwd
-    reverse    dS from the final-state cotangent back to dh0; per chunk dh and dV'  chunk_h_bwd
-    per chunk  dq~, dk (output, state update), dW, the decay's per-row part         chunk_o_bwd
-    per chunk  the WY backward: dk, dv, dbeta; the decay's reverse cumulative sum   chunk_wy_bwd
+    reverse    dS from the final-state cotangent back to dh0; per chunk dh and
+               X = T^T dV' (the cotangent of diag(beta) V)                          chunk_h_bwd
+    per chunk  dq~, dk (output, state update, Kb = diag(beta Gamma) K from
+               dKb = -X S^T), dbeta's and the decay's per-row parts                 chunk_o_bwd
+    per chunk  the rest of the WY backward, dA = -X V'^T: dk, dv, dbeta; the
+               decay's reverse cumulative sum                                       chunk_wy_bwd
     per rows   dq, dk: sum over value heads, L2 norm backward, zero tail, cast     qk_bwd
 
 The last is one pass over each of the float32 [rows, HV, K] buffers of dq (token stream: dq
@@ -284,7 +287,7 @@ def _backward(q, k, v, g, beta, initial_state, cu_seqlens, res, do, dht, static)
                    jax.ShapeDtypeStruct((N, pieces - 1, HV, K, K + V), f32)],
         USE_DHT=False, USE_DH0=False, SUMMARY=True, **h_kw)[3]
     ds_out = _piece_states(summary, ds_out, K)
-  dh, dvp, dh0, _ = _launch.call(
+  dh, xp, dh0, _ = _launch.call(
       "chunk_h_bwd.chunk_h_bwd_kernel", *h_args, ds_out if ds_out is not None else ph(),
       *h_tail,
       grid=(N * HV * nv * pieces,),
@@ -295,12 +298,12 @@ def _backward(q, k, v, g, beta, initial_state, cu_seqlens, res, do, dht, static)
       USE_DHT=ds_out is not None, USE_DH0=initial_state is not None, SUMMARY=False, **h_kw)
 
   nk = -(-K // cfg.o_bk)
-  dq_v, dk_o, dw, dg_k, _ = _launch.call(
-      "chunk_o_bwd.chunk_o_bwd_kernel", qn, kn, v_new, h_x, do_t, dh, dvp,
-      gx if use_g else ph(), cu, desc_x, float(static.scale),
+  dq_v, dk_o, db_k, dg_k, _ = _launch.call(
+      "chunk_o_bwd.chunk_o_bwd_kernel", qn, kn, v_new, h_x, do_t, dh, xp,
+      gx if use_g else ph(), beta_p, cu, desc_x, float(static.scale),
       grid=(desc_x.shape[0] * nk, HV),   # the K block fastest (shared tiles in L2)
       out_shape=[jax.ShapeDtypeStruct((TT, HV, K), f32), jax.ShapeDtypeStruct((R, HV, K), f32),
-                 jax.ShapeDtypeStruct((R, HV, K), dtype),
+                 jax.ShapeDtypeStruct((R, HV, nk), f32),
                  jax.ShapeDtypeStruct((R, HV, nk) if use_g else (1,), f32),
                  jax.ShapeDtypeStruct((R, HV, nk, BT), dtype)],   # dP, read back transposed
       backend=backend, num_warps=cfg.o_warps, num_stages=cfg.o_stages,
@@ -314,8 +317,8 @@ def _backward(q, k, v, g, beta, initial_state, cu_seqlens, res, do, dht, static)
   finish_dk = HV == H and bool(cfg.finish_dk)
   assert desc_x.shape[0] * BT >= R, (desc_x.shape, R)
   dk_x, dv_x, dbeta_x, dg_x, _ = _launch.call(
-      "chunk_wy_bwd.chunk_wy_bwd_kernel", kn, vp, beta_p, gx if use_g else ph(), Ai, dw, dvp,
-      dk_o, dg_k if use_g else ph(), kp if finish_dk and l2 else ph(dtype),
+      "chunk_wy_bwd.chunk_wy_bwd_kernel", kn, vp, v_new, beta_p, gx if use_g else ph(), xp,
+      dk_o, db_k, dg_k if use_g else ph(), kp if finish_dk and l2 else ph(dtype),
       rk if finish_dk and l2 else ph(), cu, desc_x, N, R,
       grid=(desc_x.shape[0], HV),
       out_shape=[jax.ShapeDtypeStruct((R, HV, K), k.dtype if finish_dk else f32),

@@ -15,8 +15,9 @@ which leaves the chain per chunk K dS, T^T dV' and the update. One program carri
 column slice of dS, transposed (dS^T, so that the chained operand of every dot is its left,
 register operand; the kernel's docstring has the layout), in float32 from the final-state
 cotangent (or zeros) back to the sequence start, and writes per chunk the dS it received (dh,
-the cotangent of the state leaving the chunk, read by chunk_o_bwd) and dV' (read by chunk_o_bwd
-and chunk_wy_bwd), both in the dtype of their buffers (the input dtype: a bf16 dh halves the
+the cotangent of the state leaving the chunk, read by chunk_o_bwd) and X = T^T dV' (read by
+chunk_o_bwd and chunk_wy_bwd: the cotangent of Vb = diag(beta) V, from which the WY backward
+follows without T, docs/algorithm.md §13.1), both in the dtype of their buffers (the input dtype: a bf16 dh halves the
 largest read of chunk_o_bwd); dS at the end is the initial-state cotangent, in float32. An empty
 sequence passes dht straight to dh0.
 
@@ -31,7 +32,7 @@ and writes nothing else: column blocks 0 .. ceil(K/BV)-1 walk the columns of the
 with the chunks' own terms (do~, P^T do~) off, giving Pi_p; the blocks after them walk V
 columns of dS from zero, giving E_p. The caller chains the maps from the last piece back
 (dS_out(p-1) = Pi_p dS_out(p) + E_p) and runs the kernel again without SUMMARY, each piece
-from its dS_out(p) (read from `dht`), writing dh and dV' for its own chunks; piece 0 writes
+from its dS_out(p) (read from `dht`), writing dh and X for its own chunks; piece 0 writes
 dh0. NP = 1 is the unsplit walk: one piece from dht.
 
 No operand of a dot is the transpose of another dot's result: Triton 3.4 to 3.7.0 miscompiles
@@ -113,7 +114,7 @@ def chunk_h_bwd_kernel(
     # outputs
     dh,             # [NXR, HV, K, V] cotangent of the state leaving each chunk, input dtype;
                     # placeholder with SUMMARY
-    dv,             # [T*M, HV, V] dV', input dtype; placeholder with SUMMARY
+    dx,             # [T*M, HV, V] X = T^T dV', input dtype; placeholder with SUMMARY
     dh0,            # [N, HV, K, V] float32 initial-state cotangent; placeholder unless USE_DH0
     summary,        # [N, NP-1, HV, K, K+V] float32 [Pi | E] of pieces 1..NP-1; placeholder
                     # unless SUMMARY
@@ -145,7 +146,7 @@ def chunk_h_bwd_kernel(
   the chunk, K^T the transpose of the key tile that K's own product reads. The row scalings
   sit on the register operands' columns or on the result, so loaded tiles reach the dots as
   loaded. With KT = 128 a chunk takes four products at K <= 128 (carrying dS in 64-row tiles
-  took seven: docs/performance.md, Training). do~, P^T do~, dV', dh, dht, dh0 and the summary
+  took seven: docs/performance.md, Training). do~, P^T do~, X, dh, dht, dh0 and the summary
   are read and written transposed, in their usual layouts. The dots' M is BV: below wgmma's 64
   (BV = 32, BwdConfig.h_bv_big_k's default at K > 128) Triton compiles them to mma.sync."""
   KT: tl.constexpr = 64 if K <= 64 else 128
@@ -229,13 +230,13 @@ def chunk_h_bwd_kernel(
       b_sk = tl.dot(b_dh2.to(b_dos.dtype), tl.trans(b_k2), b_sk, input_precision=DOT_PRECISION)
     b_dv = tl.load(dv_local + off_v, mask=mask_l[:, None] & mask_r[None, :],
                    other=0.).to(tl.float32) + b_sk * b_kdec[None, :]
-    if not SUMMARY:
-      tl.store(dv + off_v, b_dv.to(dv.dtype.element_ty), mask=mask_v[:, None] & mask_r[None, :])
 
     # X^T = dV'^T T: X^T[:, b] = sum_a dV'^T[:, a] T[a, b].
     b_ai = tl.load(Ai + row[:, None] * (HV * BT) + i_hv * BT + o_a[None, :],
                    mask=mask_r[:, None], other=0.)
     b_x = tl.dot(b_dv.to(b_ai.dtype), b_ai, input_precision=DOT_PRECISION)
+    if not SUMMARY:
+      tl.store(dx + off_v, b_x.to(dx.dtype.element_ty), mask=mask_v[:, None] & mask_r[None, :])
     b_xs = (b_x * (-(b_beta * b_gam))[None, :]).to(b_dos.dtype)
     b_dh1 = _update_t(b_dh1, b_decay, p_q, tok, mask_q, 0, o_c, b_k1, b_dos, b_xs, H, K, KT,
                       USE_G, DOT_PRECISION)

@@ -1,33 +1,35 @@
 """Backward of stages 2 to 4 (A, the inverse, w and u) per expanded chunk (docs/algorithm.md
 §13.1), and the decay cotangent's reverse cumulative sum.
 
-With T = (I + A)^-1, Kb = diag(beta Gamma) K, Vb = diag(beta) V, W = T Kb, U = T Vb and
-A[a, b] = beta_a <k_a, k_b> 2^(G_a - G_b) (a > b, both valid), given dW (chunk_o_bwd) and
-dU = dV' (chunk_h_bwd):
+With T = (I + A)^-1, Kb = diag(beta Gamma) K, Vb = diag(beta) V, W = T Kb, U = T Vb,
+V' = U - W S and A[a, b] = beta_a <k_a, k_b> 2^(G_a - G_b) (a > b, both valid), given
+X = T^T dV' (chunk_h_bwd, the cotangent of Vb) and the Kb part (chunk_o_bwd: dKb = -X S^T
+already added to dk_in, Gamma <dKb, k> to db_in and beta Gamma <dKb, k> to dg_in):
 
-    dT  = dW Kb^T + dU Vb^T
-    dKb = T^T dW  ->  dk += diag(beta Gamma) dKb,  dbeta += Gamma <dKb, k>,  dG += beta Gamma <dKb, k>
-    dVb = T^T dU  ->  dv  = diag(beta) dVb,        dbeta += <dVb, v>
-    dA  = -T^T dT T^T on the strictly lower valid part
+    dv = diag(beta) X,   dbeta += <X, v>
+    dA = -T^T (dU Vb^T + dW Kb^T) T^T = -(X U^T + dKb W^T) = -X (U - W S)^T = -X V'^T
+         on the strictly lower valid part
         ->  dk += (dA . beta_a Dec) K + (dA . beta_a Dec)^T K,  dbeta_a += sum_b dA <k_a, k_b> Dec,
             dG_a += sum_b (dA . A)[a, b] - sum_b (dA . A)[b, a]
+
+so T itself is not read: X and V' carry it (the inverse applied by chunk_h_bwd on the way).
 
 The transpose of dA . beta Dec goes through memory rather than through tl.trans: a tl.trans of
 a dot result fed to another dot is miscompiled on Hopper by Triton 3.4 to 3.7.0 (FLA #640).
 Other transposed operands are transposes of loaded tiles. The products take input-dtype operands
-(Ai, and dT, dW, dU rounded to it) with float32 accumulation, as FLA's WY backward does.
+with float32 accumulation.
 
-The per-row dG of chunk_o_bwd (one column per K block) is added, and the chunk's reverse
-cumulative sum turns dG (the cotangent of the chunk-local cumulative decays) into the cotangent
-of each row's own log decay.
+The per-row dbeta and dG parts of chunk_o_bwd (one column per K block) are added, and the
+chunk's reverse cumulative sum turns dG (the cotangent of the chunk-local cumulative decays)
+into the cotangent of each row's own log decay.
 
 With FINISH_DK (HV == H: no value heads to sum) the program owns whole rows of the key
 gradient, so it finishes dk itself instead of leaving float32 rows for qk_bwd: with USE_L2NORM
 the norm's backward dx = r (dy - y <y, dy>), y = x r (x the raw key row, r its row factor from
 the forward), then the cast to the gradient's dtype. <y, dy> needs the whole row before any of
-it is stored; it comes without forming dy, from sums the products already give (dkk, and the
-row and column sums of (dA . beta Dec) . K K^T) and one loop of loads for <y, dk_in>, with k
-(y rounded to the input dtype) in place of y in the other terms.
+it is stored; it comes without forming dy, from sums the products already give (the row and
+column sums of (dA . beta Dec) . K K^T) and one loop of loads for <y, dk_in>, with k (y rounded
+to the input dtype) in place of y in the other terms.
 
 With ZERO_TAIL (packed inputs) program i_d also writes zeros over the i_d-th block of BT rows at
 or past cu_seqlens[N] * M in dv, dbeta, dg and (with FINISH_DK) dk: those rows belong to no
@@ -46,12 +48,12 @@ def chunk_wy_bwd_kernel(
     # inputs
     k,           # [T*M, H, K] (normalised) keys, input dtype
     v,           # [T*M, HV, V] values, input dtype
+    v_new,       # [T*M, HV, V] V' of the recomputed forward scan, input dtype
     beta,        # [T*M, HV] float32
     g_cum,       # [T*M, HV] float32 Gx; a placeholder when USE_G is False
-    Ai,          # [T*M, HV, BT] (I + A)^-1, input dtype
-    dw,          # [T*M, HV, K] from chunk_o_bwd, input dtype
-    du,          # [T*M, HV, V] dV' from chunk_h_bwd, input dtype
+    dx,          # [T*M, HV, V] X = T^T dV' from chunk_h_bwd, input dtype
     dk_in,       # [T*M, HV, K] float32 from chunk_o_bwd
+    db_in,       # [T*M, HV, NK] float32 from chunk_o_bwd
     dg_in,       # [T*M, HV, NK] float32 from chunk_o_bwd; a placeholder when USE_G is False
     x,           # [T*M, H, K] raw keys; a placeholder unless FINISH_DK and USE_L2NORM
     rk,          # [T*M, H] float32 key row factors; a placeholder unless FINISH_DK and USE_L2NORM
@@ -100,34 +102,28 @@ def chunk_wy_bwd_kernel(
   b_beta = tl.load(beta + row * HV + i_hv, mask=mask_r, other=0.)
   if USE_G:
     b_g = tl.load(g_cum + row * HV + i_hv, mask=mask_r, other=0.)
-    b_gam = tl.where(mask_r, tl.exp2(b_g), 0.)
-  else:
-    b_gam = tl.where(mask_r, 1., 0.)
-  b_bg = b_beta * b_gam
-  p_ai = Ai + row0 * (HV * BT) + i_hv * BT
-  p_ai = p_ai + o_a[:, None] * (HV * BT) + o_a[None, :]
-  b_ait = tl.trans(tl.load(p_ai, mask=mask_r[:, None], other=0.))
 
-  # The products take V^T and K^T unscaled: dT = (dU V^T) diag(beta) + (dW K^T) diag(beta Gamma),
-  # and the reductions come from the same products, <dVb_a, v_a> = sum_c Ai[c, a] (dU V^T)[c, a]
-  # and <dKb_a, k_a> = sum_c Ai[c, a] (dW K^T)[c, a], in place of loops that formed dVb and dKb
-  # a second time beside tiles loaded again for a register reduction (docs/algorithm.md §4.2).
-  b_pv = tl.zeros([BT, BT], dtype=tl.float32)
+  # dv and <X, v> in a loop of their own: a loaded tile that feeds both a pipelined dot and a
+  # register reduction is the pattern of docs/algorithm.md §4.2; the dot's loop reads X again.
+  b_db = tl.zeros([BT], dtype=tl.float32)
   p_vv = row0 * (HV * V) + i_hv * V
   for i_v in range(tl.cdiv(V, BV)):
     o_v = i_v * BV + tl.arange(0, BV)
     m_rv = mask_r[:, None] & (o_v < V)[None, :]
-    b_v = tl.load(v + p_vv + o_a[:, None] * (HV * V) + o_v[None, :], mask=m_rv, other=0.)
-    b_du = tl.load(du + p_vv + o_a[:, None] * (HV * V) + o_v[None, :], mask=m_rv, other=0.)
-    b_pv += tl.dot(b_du.to(dt), tl.trans(b_v.to(dt)), input_precision=DOT_PRECISION)
-    b_dvb = tl.dot(b_ait, b_du.to(dt), input_precision=DOT_PRECISION)
-    tl.store(dv + p_vv + o_a[:, None] * (HV * V) + o_v[None, :],
-             (b_dvb * b_beta[:, None]).to(dv.dtype.element_ty), mask=m_rv)
-  # Ai read again rather than kept in registers through the loops (fewer spills at sm_90).
-  b_db = tl.sum(tl.load(p_ai, mask=mask_r[:, None], other=0.).to(tl.float32) * b_pv, 0)
-  b_dT = b_pv * b_beta[None, :]
+    p_rv = p_vv + o_a[:, None] * (HV * V) + o_v[None, :]
+    b_x = tl.load(dx + p_rv, mask=m_rv, other=0.).to(tl.float32)
+    b_db += tl.sum(b_x * tl.load(v + p_rv, mask=m_rv, other=0.).to(tl.float32), 1)
+    tl.store(dv + p_rv, (b_x * b_beta[:, None]).to(dv.dtype.element_ty), mask=m_rv)
+  b_xv = tl.zeros([BT, BT], dtype=tl.float32)
+  for i_v in range(tl.cdiv(V, BV)):
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_rv = mask_r[:, None] & (o_v < V)[None, :]
+    b_x = tl.load(dx + p_vv + o_a[:, None] * (HV * V) + o_v[None, :], mask=m_rv,
+                  other=0.).to(dt)
+    b_vnt = tl.load(v_new + p_vv + o_a[None, :] * (HV * V) + o_v[:, None],
+                    mask=(o_v < V)[:, None] & mask_r[None, :], other=0.).to(dt)
+    b_xv += tl.dot(b_x, b_vnt, input_precision=DOT_PRECISION)
 
-  b_qk = tl.zeros([BT, BT], dtype=tl.float32)
   b_kk = tl.zeros([BT, BT], dtype=tl.float32)
   o_kr = row0 * (H * K) + i_h * K   # the chunk's first key row
   p_k = k + o_kr
@@ -139,36 +135,28 @@ def chunk_wy_bwd_kernel(
     b_k = tl.load(p_k + o_a[:, None] * (H * K) + o_k[None, :], mask=m_rk, other=0.)
     # K^T from a second, transposed load: with tl.trans(b_k) here, dG differed between two
     # identical bf16 runs on the H200 (Triton 3.6) while dq, dk and dv did not, which points at
-    # K K^T, the one product of this loop that reaches only dbeta and dG (docs/algorithm.md §4.2).
+    # K K^T, the one product that reaches only dbeta and dG (docs/algorithm.md §4.2).
     b_kt = tl.load(p_k + o_a[None, :] * (H * K) + o_k[:, None], mask=m_kr, other=0.)
-    b_dw = tl.load(dw + p_kv + o_a[:, None] * (HV * K) + o_k[None, :], mask=m_rk, other=0.)
-    b_qk += tl.dot(b_dw.to(dt), b_kt, input_precision=DOT_PRECISION)
     b_kk += tl.dot(b_k, b_kt, input_precision=DOT_PRECISION)
-  b_dkk = tl.sum(tl.load(p_ai, mask=mask_r[:, None], other=0.).to(tl.float32) * b_qk, 0)
-  b_dT += b_qk * b_bg[None, :]
 
-  # dA = -T^T dT T^T on the strictly lower valid part.
-  b_dA = -tl.dot(tl.dot(b_ait, b_dT.to(dt), input_precision=DOT_PRECISION).to(dt), b_ait,
-                 input_precision=DOT_PRECISION)
+  # dA = -X V'^T on the strictly lower valid part.
   m_lo = (o_a[:, None] > o_a[None, :]) & m_rr
   if USE_G:
     # A select: above the diagonal the exponent may overflow to inf.
-    b_dA = tl.where(m_lo, b_dA * tl.exp2(b_g[:, None] - b_g[None, :]), 0.)   # dA . Dec
+    b_dA = tl.where(m_lo, -b_xv * tl.exp2(b_g[:, None] - b_g[None, :]), 0.)   # dA . Dec
   else:
-    b_dA = tl.where(m_lo, b_dA, 0.)
+    b_dA = tl.where(m_lo, -b_xv, 0.)
   b_db += tl.sum(b_dA * b_kk, 1)
   b_dAm = b_dA * b_beta[:, None]
   if USE_G or (FINISH_DK and USE_L2NORM):
     b_dGa = b_dAm * b_kk       # dA . A: dG_a += its row sum - its column sum
-  if USE_G:
-    b_dgr = tl.sum(b_dGa, 1) - tl.sum(b_dGa, 0)
   # dbeta and dG are complete here: stored before the dk loops, which need none of their
   # vectors (column sums: 16 registers each).
-  b_db += b_gam * b_dkk
-
+  for i_k in tl.static_range(NK):
+    b_db += tl.load(db_in + (row * HV + i_hv) * NK + i_k, mask=mask_r, other=0.)
   tl.store(dbeta + row * HV + i_hv, b_db, mask=mask_r)
   if USE_G:
-    b_dgr += b_bg * b_dkk
+    b_dgr = tl.sum(b_dGa, 1) - tl.sum(b_dGa, 0)
     for i_k in tl.static_range(NK):
       b_dgr += tl.load(dg_in + (row * HV + i_hv) * NK + i_k, mask=mask_r, other=0.)
     b_dgr = tl.where(mask_r, b_dgr, 0.)
@@ -185,14 +173,13 @@ def chunk_wy_bwd_kernel(
                    other=0.)
 
   if FINISH_DK and USE_L2NORM:
-    # <y, dy> per row without forming dy = dk_in + diag(beta Gamma) T^T dW + (dA . beta Dec) K
-    # + (dA . beta Dec)^T K: with y taken as k (y rounded to the input dtype) in all but the
-    # first term, <k_a, (T^T dW)_a> = dkk_a, and the other two are the row and the column sums
-    # of (dA . beta Dec) . K K^T (K K^T symmetric). Only <y, dk_in> needs a loop, of loads and
-    # no products. The rounding of y to k moves <y, dy> by about the input dtype's epsilon
-    # relative, as the rounding of dA . beta Dec in the products already did.
+    # <y, dy> per row without forming dy = dk_in + (dA . beta Dec) K + (dA . beta Dec)^T K:
+    # with y taken as k (y rounded to the input dtype) in the last two terms, they are the row
+    # and the column sums of (dA . beta Dec) . K K^T (K K^T symmetric). Only <y, dk_in> needs a
+    # loop, of loads and no products. The rounding of y to k moves <y, dy> by about the input
+    # dtype's epsilon relative, as the rounding of dA . beta Dec in the products already did.
     b_r = tl.load(rk + row * H + i_h, mask=mask_r, other=0.)
-    b_yd = b_bg * b_dkk + tl.sum(b_dGa, 1) + tl.sum(b_dGa, 0)
+    b_yd = tl.sum(b_dGa, 1) + tl.sum(b_dGa, 0)
     for i_k in range(tl.cdiv(K, BK)):
       o_k = i_k * BK + tl.arange(0, BK)
       m_rk = mask_r[:, None] & (o_k < K)[None, :]
@@ -203,8 +190,7 @@ def chunk_wy_bwd_kernel(
   for i_k in range(tl.cdiv(K, BK)):
     o_k = i_k * BK + tl.arange(0, BK)
     m_rk = mask_r[:, None] & (o_k < K)[None, :]
-    b_dk = _dk_block(p_k, dw, dk_in, p_kv, b_ait, b_dAm, b_dAmt, b_bg, o_a, o_k, m_rk, H, HV, K,
-                     DOT_PRECISION)
+    b_dk = _dk_block(p_k, dk_in, p_kv, b_dAm, b_dAmt, o_a, o_k, m_rk, H, HV, K, DOT_PRECISION)
     if FINISH_DK and USE_L2NORM:
       b_y = tl.load(x + o_kr + o_a[:, None] * (H * K) + o_k[None, :], mask=m_rk,
                     other=0.).to(tl.float32) * b_r[:, None]
@@ -214,16 +200,13 @@ def chunk_wy_bwd_kernel(
 
 
 @triton.jit
-def _dk_block(p_k, dw, dk_in, p_kv, b_ait, b_dAm, b_dAmt, b_bg, o_a, o_k, m_rk, H: tl.constexpr,
-              HV: tl.constexpr, K: tl.constexpr, DOT_PRECISION: tl.constexpr):
-  """dk of the chunk's rows on columns o_k, float32: dk_in + diag(beta Gamma) T^T dW
-  + (dA . beta Dec) K + (dA . beta Dec)^T K."""
+def _dk_block(p_k, dk_in, p_kv, b_dAm, b_dAmt, o_a, o_k, m_rk, H: tl.constexpr, HV: tl.constexpr,
+              K: tl.constexpr, DOT_PRECISION: tl.constexpr):
+  """dk of the chunk's rows on columns o_k, float32: dk_in + (dA . beta Dec) K
+  + (dA . beta Dec)^T K."""
   b_k = tl.load(p_k + o_a[:, None] * (H * K) + o_k[None, :], mask=m_rk, other=0.)
   dt = b_k.dtype
-  b_dw = tl.load(dw + p_kv + o_a[:, None] * (HV * K) + o_k[None, :], mask=m_rk, other=0.)
-  b_dkb = tl.dot(b_ait, b_dw.to(dt), input_precision=DOT_PRECISION)
   b_dk = tl.load(dk_in + p_kv + o_a[:, None] * (HV * K) + o_k[None, :], mask=m_rk, other=0.)
-  b_dk += b_dkb * b_bg[:, None]
   b_dk += tl.dot(b_dAm.to(dt), b_k, input_precision=DOT_PRECISION)
   b_dk += tl.dot(b_dAmt.to(dt), b_k, input_precision=DOT_PRECISION)
   return b_dk
