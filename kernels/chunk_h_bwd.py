@@ -17,9 +17,9 @@ register operand; the kernel's docstring has the layout), in float32 from the fi
 cotangent (or zeros) back to the sequence start, and writes per chunk the dS it received (dh,
 the cotangent of the state leaving the chunk, read by chunk_o_bwd) and X = T^T dV' (read by
 chunk_o_bwd and chunk_wy_bwd: the cotangent of Vb = diag(beta) V, from which the WY backward
-follows without T, docs/algorithm.md §13.1), both in the dtype of their buffers (the input dtype: a bf16 dh halves the
-largest read of chunk_o_bwd); dS at the end is the initial-state cotangent, in float32. An empty
-sequence passes dht straight to dh0.
+follows without T, docs/algorithm.md §13.1), both in the dtype of their buffers (the input
+dtype: a bf16 dh halves the largest read of chunk_o_bwd); dS at the end is the initial-state
+cotangent, in float32. An empty sequence passes dht straight to dh0.
 
 A long sequence with few heads leaves most SMs idle while each program walks every chunk in
 turn, so the walk can be split into NP pieces that run in parallel (docs/algorithm.md §13.3).
