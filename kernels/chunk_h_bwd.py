@@ -150,6 +150,10 @@ def chunk_h_bwd_kernel(
   are read and written transposed, in their usual layouts. The dots' M is BV: below wgmma's 64
   (BV = 32, BwdConfig.h_bv_big_k's default at K > 128) Triton compiles them to mma.sync."""
   KT: tl.constexpr = 64 if K <= 64 else 128
+  # With M dividing BT (and at least 16 tokens per chunk, a dot's minimum), every chunk holds
+  # BQ = BT / M whole tokens.
+  COMPACT_Q: tl.constexpr = (BT % M == 0) and (BT // M >= 16)
+  BQ: tl.constexpr = BT // M if COMPACT_Q else BT
   NC: tl.constexpr = (V + BV - 1) // BV + SUMMARY * ((K + BV - 1) // BV)
   NPL: tl.constexpr = NP - SUMMARY
   i_r = tl.program_id(0)
@@ -172,6 +176,7 @@ def chunk_h_bwd_kernel(
   o_k, o_v, mask_v, _, _, _, _ = _zero_state(i_v, V, BV)
   o_c = tl.arange(0, KT)
   o_a = tl.arange(0, BT)
+  o_j = tl.arange(0, BQ)
   mask_l = mask_v   # the columns that see the chunks' own terms (q~, do~, P^T do~)
   b_dh1 = tl.zeros([BV, KT], dtype=tl.float32)
   b_dh2 = tl.zeros([BV, KT], dtype=tl.float32)
@@ -199,11 +204,19 @@ def chunk_h_bwd_kernel(
     o_r = i_e * BT + o_a
     mask_r = o_r < len_x
     row = bos_x + o_r
-    tok = row // M
-    mask_q = mask_r & (row % M == M - 1)
+    if COMPACT_Q:
+      # The chunk holds BQ whole tokens (it starts on one): q~ and do~ as their BQ rows, not
+      # BT rows of which M - 1 in M are zero.
+      r_q = i_e * BT + o_j * M + (M - 1)   # each token's last copy, in the sequence
+      mask_q = r_q < len_x
+      tok = bos + i_e * BQ + o_j
+    else:
+      r_q = o_r
+      tok = row // M
+      mask_q = mask_r & (row % M == M - 1)
     if SUMMARY:
       # Pi's columns read no q~ (nor do~, P^T do~: mask_l).
-      mask_q = mask_q & (o_a < tl.where(local, BT, 0))
+      mask_q = mask_q & (o_j < tl.where(local, BQ, 0))
     off_v = row[None, :] * (HV * V) + i_hv * V + o_v[:, None]
     b_beta = tl.load(beta + row * HV + i_hv, mask=mask_r, other=0.)
     if USE_G:
@@ -213,13 +226,18 @@ def chunk_h_bwd_kernel(
       b_gam = tl.where(mask_r, tl.exp2(b_g), 0.)
       b_kdec = tl.where(mask_r, tl.exp2(b_g_last - b_g), 0.)
       b_decay = tl.exp2(b_g_last)
+      b_gam_q = b_gam
+      if COMPACT_Q:
+        b_gam_q = tl.where(mask_q, tl.exp2(tl.load(g_cum + (bos_x + r_q) * HV + i_hv,
+                                                   mask=mask_q, other=0.)), 0.)
     else:
       b_gam = tl.where(mask_r, 1., 0.)
       b_kdec = b_gam
       b_decay = 1.
+      b_gam_q = tl.where(mask_q, 1., 0.)
     b_do = tl.load(do + tok[None, :] * (HV * V) + i_hv * V + o_v[:, None],
                    mask=mask_l[:, None] & mask_q[None, :], other=0.)
-    b_dos = (b_do.to(tl.float32) * (scale * b_gam)[None, :]).to(k.dtype.element_ty)
+    b_dos = (b_do.to(tl.float32) * (scale * b_gam_q)[None, :]).to(k.dtype.element_ty)
 
     # dV'^T, dS^T rounded to the input dtype for the tensor cores.
     b_k1 = _rows(p_k, row, mask_r, 0, o_c, H * K, K, KT)
@@ -228,15 +246,24 @@ def chunk_h_bwd_kernel(
     if K > KT:
       b_k2 = _rows(p_k, row, mask_r, 1, o_c, H * K, K, KT)
       b_sk = tl.dot(b_dh2.to(b_dos.dtype), tl.trans(b_k2), b_sk, input_precision=DOT_PRECISION)
-    b_dv = tl.load(dv_local + off_v, mask=mask_l[:, None] & mask_r[None, :],
-                   other=0.).to(tl.float32) + b_sk * b_kdec[None, :]
-
     # X^T = dV'^T T: X^T[:, b] = sum_a dV'^T[:, a] T[a, b].
     b_ai = tl.load(Ai + row[:, None] * (HV * BT) + i_hv * BT + o_a[None, :],
                    mask=mask_r[:, None], other=0.)
-    b_x = tl.dot(b_dv.to(b_ai.dtype), b_ai, input_precision=DOT_PRECISION)
+    b_dvl = tl.load(dv_local + off_v, mask=mask_l[:, None] & mask_r[None, :], other=0.)
+    # (P^T do~)^T T + (dS^T K^T diag(2^(g_C - G))) T: P^T do~ as a dot operand, which the
+    # pipeliner stages in shared memory like the other tiles, rather than a sum in registers
+    # before one dot, for which it carried a register copy into the next iteration
+    # (docs/performance.md, Training).
+    b_x = tl.dot(b_dvl, b_ai, input_precision=DOT_PRECISION)
+    b_x = tl.dot((b_sk * b_kdec[None, :]).to(b_ai.dtype), b_ai, b_x,
+                 input_precision=DOT_PRECISION)
     if not SUMMARY:
-      tl.store(dx + off_v, b_x.to(dx.dtype.element_ty), mask=mask_v[:, None] & mask_r[None, :])
+      # Offsets and mask of their own, not the dv_local load's: this store belongs to the
+      # pipeliner's next stage, which would otherwise carry that load's [BV, BT] int64 offsets
+      # and mask for it from one iteration to the next (96 registers at BV 64).
+      p_x = dx + (row * (HV * V) + i_hv * V)
+      tl.store(p_x[None, :] + o_v[:, None], b_x.to(dx.dtype.element_ty),
+               mask=(o_v < V)[:, None] & (row < bos_x + len_x)[None, :])
     b_xs = (b_x * (-(b_beta * b_gam))[None, :]).to(b_dos.dtype)
     b_dh1 = _update_t(b_dh1, b_decay, p_q, tok, mask_q, 0, o_c, b_k1, b_dos, b_xs, H, K, KT,
                       USE_G, DOT_PRECISION)
