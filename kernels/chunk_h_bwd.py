@@ -137,16 +137,16 @@ def chunk_h_bwd_kernel(
   """The reverse pass carrying dS^T, [BV, K] in float32 as one [BV, KT] tile (two at K > 128;
   KT = 64 up to K = 64, else 128), and dV'^T:
 
-      dV'^T = (P^T do~)^T + (dS^T K^T) diag(2^(g_C - G))
-      X^T   = dV'^T T
+      X^T   = (P^T do~)^T T + ((dS^T K^T) diag(2^(g_C - G))) T     (= dV'^T T)
       dS^T <- 2^g_C dS^T + (scale do~^T diag(Gamma)) Q~ - (X^T diag(beta Gamma)) K
 
-  The chained operand (dS^T, then dV'^T, then X^T) is always a dot's left operand, which
+  The chained operand (dS^T, then dS^T K^T, then X^T) is always a dot's left operand, which
   Hopper's wgmma takes from registers; the right operands (K^T, T, Q~, K) are tiles loaded for
   the chunk, K^T the transpose of the key tile that K's own product reads. The row scalings
   sit on the register operands' columns or on the result, so loaded tiles reach the dots as
-  loaded. With KT = 128 a chunk takes four products at K <= 128 (carrying dS in 64-row tiles
-  took seven: docs/performance.md, Training). do~, P^T do~, X, dh, dht, dh0 and the summary
+  loaded; (P^T do~)^T, off the chain, is a left operand as loaded, so the pipeliner stages it in
+  shared memory with the others. With KT = 128 a chunk takes five products at K <= 128
+  (carrying dS in 64-row tiles took seven: docs/performance.md, Training). do~, P^T do~, X, dh, dht, dh0 and the summary
   are read and written transposed, in their usual layouts. The dots' M is BV: below wgmma's 64
   (BV = 32, BwdConfig.h_bv_big_k's default at K > 128) Triton compiles them to mma.sync."""
   KT: tl.constexpr = 64 if K <= 64 else 128
