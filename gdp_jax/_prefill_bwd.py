@@ -80,10 +80,11 @@ class BwdConfig(NamedTuple):
   h_warps: int = 4
   # chunk_h_bwd's pipeline stages for 16-bit inputs (float32 takes 1: see the launch). At 2 a
   # program takes 92.8 KB of shared memory (sm_90, K = V = 128, M = 2), so two fit on an SM; at
-  # 3, 138 KB, one (figures before its operands' staging changed: 101 and 151 KB). H100, 2026-12-06, same gradient bits, 2 against 3 stages: 285.0 against
-  # 481.8 us at B=4 T=2048 H=16, 441.1 / 768.2 at B=1 T=8192 (8 pieces), 721.6 / 1163.8 on 8
-  # packed sequences of 16384 tokens, 664.2 / 1246.3 at K=256 V=512 H=6
-  # (benchmarks/train_stages_h100.json; docs/performance.md, Training).
+  # 3, 138 KB, one (figures before its operands' staging changed: 101 and 151 KB). H100,
+  # 2026-12-06, same gradient bits, 2 against 3 stages: 285.0 against 481.8 us at B=4 T=2048
+  # H=16, 441.1 / 768.2 at B=1 T=8192 (8 pieces), 721.6 / 1163.8 on 8 packed sequences of 16384
+  # tokens, 664.2 / 1246.3 at K=256 V=512 H=6 (benchmarks/train_stages_h100.json;
+  # docs/performance.md, Training).
   h_stages: int = 2
   # chunk_h_bwd's walk split into pieces per sequence (_h_pieces): h_split pieces when set (1:
   # the unsplit walk), otherwise 1 while the walk has at least h_split_min_programs programs

@@ -146,9 +146,10 @@ def chunk_h_bwd_kernel(
   sit on the register operands' columns or on the result, so loaded tiles reach the dots as
   loaded; (P^T do~)^T, off the chain, is a left operand as loaded, so the pipeliner stages it in
   shared memory with the others. With KT = 128 a chunk takes five products at K <= 128
-  (carrying dS in 64-row tiles took seven: docs/performance.md, Training). do~, P^T do~, X, dh, dht, dh0 and the summary
-  are read and written transposed, in their usual layouts. The dots' M is BV: below wgmma's 64
-  (BV = 32, BwdConfig.h_bv_big_k's default at K > 128) Triton compiles them to mma.sync."""
+  (carrying dS in 64-row tiles took seven: docs/performance.md, Training). do~, P^T do~, X, dh,
+  dht, dh0 and the summary are read and written transposed, in their usual layouts. The dots' M
+  is BV: below wgmma's 64 (BV = 32, BwdConfig.h_bv_big_k's default at K > 128) Triton compiles
+  them to mma.sync."""
   KT: tl.constexpr = 64 if K <= 64 else 128
   # With M dividing BT (and at least 16 tokens per chunk, a dot's minimum), every chunk holds
   # BQ = BT / M whole tokens.
@@ -211,7 +212,6 @@ def chunk_h_bwd_kernel(
       mask_q = r_q < len_x
       tok = bos + i_e * BQ + o_j
     else:
-      r_q = o_r
       tok = row // M
       mask_q = mask_r & (row % M == M - 1)
     if SUMMARY:
@@ -239,20 +239,19 @@ def chunk_h_bwd_kernel(
                    mask=mask_l[:, None] & mask_q[None, :], other=0.)
     b_dos = (b_do.to(tl.float32) * (scale * b_gam_q)[None, :]).to(k.dtype.element_ty)
 
-    # dV'^T, dS^T rounded to the input dtype for the tensor cores.
+    # dS^T rounded to the input dtype for the tensor cores.
     b_k1 = _rows(p_k, row, mask_r, 0, o_c, H * K, K, KT)
     b_k2 = b_k1
     b_sk = tl.dot(b_dh1.to(b_dos.dtype), tl.trans(b_k1), input_precision=DOT_PRECISION)
     if K > KT:
       b_k2 = _rows(p_k, row, mask_r, 1, o_c, H * K, K, KT)
       b_sk = tl.dot(b_dh2.to(b_dos.dtype), tl.trans(b_k2), b_sk, input_precision=DOT_PRECISION)
-    # X^T = dV'^T T: X^T[:, b] = sum_a dV'^T[:, a] T[a, b].
     b_ai = tl.load(Ai + row[:, None] * (HV * BT) + i_hv * BT + o_a[None, :],
                    mask=mask_r[:, None], other=0.)
     b_dvl = tl.load(dv_local + off_v, mask=mask_l[:, None] & mask_r[None, :], other=0.)
-    # (P^T do~)^T T + (dS^T K^T diag(2^(g_C - G))) T: P^T do~ as a dot operand, which the
-    # pipeliner stages in shared memory like the other tiles, rather than a sum in registers
-    # before one dot, for which it carried a register copy into the next iteration
+    # X^T = dV'^T T as (P^T do~)^T T + (dS^T K^T diag(2^(g_C - G))) T: P^T do~ as a dot operand,
+    # which the pipeliner stages in shared memory like the other tiles, rather than a sum in
+    # registers before one dot, for which it carried a register copy into the next iteration
     # (docs/performance.md, Training).
     b_x = tl.dot(b_dvl, b_ai, input_precision=DOT_PRECISION)
     b_x = tl.dot((b_sk * b_kdec[None, :]).to(b_ai.dtype), b_ai, b_x,
