@@ -20,6 +20,10 @@ Usage (GPU, repository root on PYTHONPATH):
 
 --dtype float32 casts the bf16 inputs to float32; there f32_precision (the dots' precision,
 docs/performance.md "Compile time") is set for the forward rule's kernels too.
+
+--grads FILE saves the default config's gradients of each row (float32, .npz); --grads-ref FILE
+compares them with such a file written by another tree (a kernel change timed in its own process
+on the same inputs): the relative error per input, beside the timing.
 """
 from __future__ import annotations
 
@@ -27,6 +31,8 @@ import argparse
 import json
 import os
 import sys
+
+import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # noqa: E402
@@ -83,7 +89,6 @@ def split_variant(var: dict):
 
 def rel_err(a, b) -> float:
   """||a - b|| / ||b|| in float64."""
-  import numpy as np
   a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
   return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
 
@@ -125,6 +130,9 @@ def main():
   p.add_argument("--jla", action="store_true",
                  help="also profile jax-linear-attention's forward and fwd+bwd on the same inputs "
                       "(its Mosaic GPU kernels; with --smoke its jnp reference)")
+  p.add_argument("--grads", default=None, help="save the default config's gradients (.npz)")
+  p.add_argument("--grads-ref", default=None,
+                 help="compare the default config's gradients with this --grads file")
   p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"),
                  help="of q, k, v, beta and the output cotangent (g stays float32)")
   args = p.parse_args()
@@ -138,6 +146,8 @@ def main():
   calls = 1 if args.smoke else 3
   rows = train.shapes(smoke=args.smoke)
   table = []
+  saved = {}
+  ref_file = dict(np.load(args.grads_ref)) if args.grads_ref else {}
 
   def save(**entry):
     """Adds one run to the --json file, rewritten after every run."""
@@ -192,17 +202,24 @@ def main():
       if got is None:
         continue
       out, ms, prof = got
-      errs = ""
+      errs = ref_errs = ""
       if var is not None:
         grads = out[1]
         if not var:
           ref_grads = grads
+          saved.update({f"row{i}_d{n}": np.asarray(a.astype(jnp.float32)) for n, a in grads.items()})
+          if args.grads:
+            np.savez(args.grads, **saved)
+          other = {n: ref_file[f"row{i}_d{n}"] for n in grads if f"row{i}_d{n}" in ref_file}
+          if other:
+            ref_errs = " ".join(f"d{n} {rel_err(grads[n], a):.1e}" for n, a in other.items())
+            print(f"   gradients against {args.grads_ref}: {ref_errs}")
         elif ref_grads is not None:
           errs = " ".join(f"d{n} {rel_err(grads[n], ref_grads[n]):.1e}" for n in grads)
           print(f"   gradients against the default config's: {errs}")
       summary.append((name, ms, kernel_us(prof, calls), errs))
       save(row=i, run=name, variant=var, ms=ms, kernel_us=kernel_us(prof, calls),
-           grad_err_vs_default=errs)
+           grad_err_vs_default=errs, **({"grad_err_vs_ref": ref_errs} if ref_errs else {}))
     try:
       extra = jla_runs(r, h, dt, do, smoke=args.smoke) if args.jla else []
     except ImportError as e:
