@@ -404,6 +404,7 @@ _CONFIG_FIELDS = {
                           "n pieces per sequence)", lambda x: x >= 0),
         h_split_min_programs=_COUNT, h_split_programs=_POSITIVE, h_split_max=_POSITIVE,
         o_bk=_TILE, o_bv=_TILE, o_warps=_WARPS, o_stages=_STAGES, wy_warps=_WARPS,
+        wy_stages=_STAGES,
         # qk_bwd's rows per program, qk_block // BK, must be a power of two too.
         qk_block=_pow2(16), qk_warps=_WARPS,
         finish_dk=_BIT, f32_precision=_F32),

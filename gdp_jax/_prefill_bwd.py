@@ -102,7 +102,11 @@ class BwdConfig(NamedTuple):
   o_bv: int = 64
   o_warps: int = 4
   o_stages: int = 2
+  # chunk_dv_local's and chunk_wy_bwd's. sm_90, K = V = 128 bf16: 102 and 150 registers, 32 and
+  # 40 KB of shared memory at 2 stages, 112 / 150 registers and 48 KB each at 3, so three
+  # programs per SM either way.
   wy_warps: int = 4
+  wy_stages: int = 2
   # qk_bwd, a pass bound by memory: BR rows times BK (K rounded up to a power of two) =
   # qk_block elements per program, 32 float32 values per thread per tile at 4 warps, and
   # thousands of programs at training sizes (8192 for dk at B=4 T=2048 H=16 M=2).
@@ -259,7 +263,7 @@ def _backward(q, k, v, g, beta, initial_state, cu_seqlens, res, do, dht, static)
       float(static.scale),
       grid=(desc_x.shape[0], HV),
       out_shape=[jax.ShapeDtypeStruct((R, HV, V), dtype)],
-      backend=backend, num_warps=cfg.wy_warps, num_stages=2,
+      backend=backend, num_warps=cfg.wy_warps, num_stages=cfg.wy_stages,
       H=H, HV=HV, K=K, V=V, M=M, BT=BT, BK=_BK, BV=_BV, USE_G=use_g, DOT_PRECISION=prec)
 
   # The reverse state pass. Split into pieces (docs/algorithm.md §13.3), it takes three steps:
@@ -327,7 +331,7 @@ def _backward(q, k, v, g, beta, initial_state, cu_seqlens, res, do, dht, static)
                  jax.ShapeDtypeStruct((R, HV), f32),
                  jax.ShapeDtypeStruct((R, HV) if use_g else (1,), f32),
                  jax.ShapeDtypeStruct((R, HV, BT), dtype)],
-      backend=backend, num_warps=cfg.wy_warps, num_stages=2,
+      backend=backend, num_warps=cfg.wy_warps, num_stages=cfg.wy_stages,
       H=H, HV=HV, K=K, V=V, M=M, BT=BT, BK=_BK, BV=_BV, NK=nk, USE_G=use_g,
       FINISH_DK=finish_dk, USE_L2NORM=l2, ZERO_TAIL=cu_seqlens is not None,
       DOT_PRECISION=prec)
