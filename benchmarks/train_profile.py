@@ -93,6 +93,11 @@ def rel_err(a, b) -> float:
   return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
 
 
+def grad_errs(grads: dict, ref: dict) -> str:
+  """Each input of ref against it, by relative error: "dq 1.2e-03 dk ..."."""
+  return " ".join(f"d{n} {rel_err(grads[n], r):.1e}" for n, r in ref.items())
+
+
 def kernel_us(prof: dict, per: int) -> dict:
   """Device time per step of each listed kernel (summed over its launches)."""
   return {k: sum(e["us"] for e in prof["kernels"] if k in e["name"]) / per for k in KERNELS}
@@ -207,15 +212,15 @@ def main():
         grads = out[1]
         if not var:
           ref_grads = grads
-          saved.update({f"row{i}_d{n}": np.asarray(a.astype(jnp.float32)) for n, a in grads.items()})
           if args.grads:
+            saved.update({f"row{i}_d{n}": np.asarray(a, np.float32) for n, a in grads.items()})
             np.savez(args.grads, **saved)
           other = {n: ref_file[f"row{i}_d{n}"] for n in grads if f"row{i}_d{n}" in ref_file}
           if other:
-            ref_errs = " ".join(f"d{n} {rel_err(grads[n], a):.1e}" for n, a in other.items())
+            ref_errs = grad_errs(grads, other)
             print(f"   gradients against {args.grads_ref}: {ref_errs}")
         elif ref_grads is not None:
-          errs = " ".join(f"d{n} {rel_err(grads[n], ref_grads[n]):.1e}" for n in grads)
+          errs = grad_errs(grads, ref_grads)
           print(f"   gradients against the default config's: {errs}")
       summary.append((name, ms, kernel_us(prof, calls), errs))
       save(row=i, run=name, variant=var, ms=ms, kernel_us=kernel_us(prof, calls),
