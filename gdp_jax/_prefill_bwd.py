@@ -303,14 +303,13 @@ def _backward(q, k, v, g, beta, initial_state, cu_seqlens, res, do, dht, static)
       USE_DHT=ds_out is not None, USE_DH0=initial_state is not None, SUMMARY=False, **h_kw)
 
   nk = -(-K // cfg.o_bk)
-  dq_v, dk_o, db_k, dg_k, _ = _launch.call(
+  dq_v, dk_o, db_k, dg_k = _launch.call(
       "chunk_o_bwd.chunk_o_bwd_kernel", qn, kn, v_new, h_x, do_t, dh, xp,
       gx if use_g else ph(), beta_p, cu, desc_x, float(static.scale),
       grid=(desc_x.shape[0] * nk, HV),   # the K block fastest (shared tiles in L2)
       out_shape=[jax.ShapeDtypeStruct((TT, HV, K), f32), jax.ShapeDtypeStruct((R, HV, K), f32),
                  jax.ShapeDtypeStruct((R, HV, nk), f32),
-                 jax.ShapeDtypeStruct((R, HV, nk) if use_g else (1,), f32),
-                 jax.ShapeDtypeStruct((R, HV, nk, BT), dtype)],   # dP, read back transposed
+                 jax.ShapeDtypeStruct((R, HV, nk) if use_g else (1,), f32)],
       backend=backend, num_warps=cfg.o_warps, num_stages=cfg.o_stages,
       H=H, HV=HV, K=K, V=V, M=M, BT=BT, BK=cfg.o_bk, BV=cfg.o_bv, NK=nk, USE_G=use_g,
       DOT_PRECISION=prec)

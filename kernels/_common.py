@@ -30,6 +30,29 @@ def chunk_span(chunk_desc, cu_seqlens, i_d, M: tl.constexpr, BT: tl.constexpr):
 
 
 @triton.jit
+def query_rows(row0, n, M: tl.constexpr, BT: tl.constexpr, BQ: tl.constexpr):
+  """The rows of an expanded-stream chunk (first row row0, n valid rows; chunk_span) that hold a
+  query, q~ and do~ sitting on each token's last copy (docs/algorithm.md §13.1), as BQ entries:
+  (their chunk rows, their mask, their tokens on the token stream). With BQ = BT / M (M divides
+  BT, the chunk starts on a token) entry j is token row0 / M + j, on chunk row j M + M - 1, so
+  the queries and output cotangents of a chunk are BQ rows, not BT rows of which M - 1 in M are
+  zero; with BQ = BT, every row, masked to the last copies. BQ comes from query_block."""
+  o_j = tl.arange(0, BQ)
+  if BQ < BT:
+    r_q = o_j * M + (M - 1)
+    return r_q, r_q < n, row0 // M + o_j
+  row = row0 + o_j
+  return o_j, (o_j < n) & (row % M == M - 1), row // M
+
+
+@triton.constexpr_function
+def query_block(M, BT):
+  """query_rows' BQ: BT / M where M divides BT and a chunk holds at least 16 tokens (a dot's
+  smallest K), else BT."""
+  return BT // M if BT % M == 0 and BT // M >= 16 else BT
+
+
+@triton.jit
 def chunk_decays(g, row0, n, i_hv, HV: tl.constexpr, M: tl.constexpr, BT: tl.constexpr):
   """Stage 1 for one chunk of a stream with M rows per token and one value head: the chunk-local
   inclusive cumsum of g~[r] = g[r // M] on each token's first copy (0 on the others), in log2

@@ -15,7 +15,7 @@ Grid: (expanded-chunk descriptors, HV). Parameter order: inputs, outputs, conste
 import triton
 import triton.language as tl
 
-from ._common import chunk_span
+from ._common import chunk_span, query_block, query_rows
 
 
 @triton.jit
@@ -49,14 +49,14 @@ def chunk_dv_local_kernel(
   if i_n < 0:
     return
   dt = k.dtype.element_ty
+  BQ: tl.constexpr = query_block(M, BT)
   o_a = tl.arange(0, BT)
   mask_r = o_a < n
   row = row0 + o_a
-  tok = row // M
-  mask_q = mask_r & (row % M == M - 1)
+  r_q, mask_q, tok = query_rows(row0, n, M, BT, BQ)
 
-  # P^T = K Q~^T (rows b, columns a), the queries loaded transposed.
-  b_pt = tl.zeros([BT, BT], dtype=tl.float32)
+  # P^T = K Q~^T (key rows b, query columns j), the queries loaded transposed.
+  b_pt = tl.zeros([BT, BQ], dtype=tl.float32)
   for i_k in range(tl.cdiv(K, BK)):
     o_k = i_k * BK + tl.arange(0, BK)
     mask_k = o_k < K
@@ -65,11 +65,14 @@ def chunk_dv_local_kernel(
     b_qt = tl.load(q + tok[None, :] * (H * K) + i_h * K + o_k[:, None],
                    mask=mask_k[:, None] & mask_q[None, :], other=0.)
     b_pt += tl.dot(b_k, b_qt, input_precision=DOT_PRECISION)
-  m_pt = (o_a[None, :] >= o_a[:, None]) & mask_r[:, None] & mask_r[None, :]
+  m_pt = (r_q[None, :] >= o_a[:, None]) & mask_r[:, None] & mask_q[None, :]
   if USE_G:
     b_g = tl.load(g_cum + row * HV + i_hv, mask=mask_r, other=0.)
+    b_gq = b_g
+    if BQ < BT:
+      b_gq = tl.load(g_cum + (row0 + r_q) * HV + i_hv, mask=mask_q, other=0.)
     # A select: above the diagonal G_a - G_b > 0 may overflow exp2 to inf.
-    b_pt = tl.where(m_pt, b_pt * tl.exp2(b_g[None, :] - b_g[:, None]), 0.)
+    b_pt = tl.where(m_pt, b_pt * tl.exp2(b_gq[None, :] - b_g[:, None]), 0.)
   else:
     b_pt = tl.where(m_pt, b_pt, 0.)
   b_pt = (b_pt * scale).to(dt)

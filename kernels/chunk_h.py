@@ -339,8 +339,12 @@ def chunk_h_fwd_kernel(
     b_v = tl.dot(b_Ai, b_x.to(b_Ai.dtype), input_precision=DOT_PRECISION)
     if not SUMMARY:
       # Stored before the decay scaling below: stage 6 applies its own decays.
-      tl.store(v_new + off_v, b_v.to(v_new.dtype.element_ty),
-               mask=mask_r[:, None] & mask_v[None, :])
+      # Offsets and mask of their own, not the v load's: this store belongs to a later stage
+      # of the pipeliner than that load, which would otherwise carry the load's [BT, BV] int64
+      # offsets and mask from iteration to iteration for it (one copy per stage in flight).
+      p_vn = v_new + (row * (HV * V) + i_hv * V)
+      tl.store(p_vn[:, None] + o_v[None, :], b_v.to(v_new.dtype.element_ty),
+               mask=(row < bos_x + len_x)[:, None] & (o_v < V)[None, :])
 
     if USE_G:
       i_last = tl.minimum(i_e * BT + BT, len_x) - 1

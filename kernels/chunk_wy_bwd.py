@@ -172,31 +172,57 @@ def chunk_wy_bwd_kernel(
   b_dAmt = tl.load(p_s + o_a[None, :] * (HV * BT) + o_a[:, None], mask=mask_r[None, :],
                    other=0.)
 
-  if FINISH_DK and USE_L2NORM:
-    # <y, dy> per row without forming dy = dk_in + (dA . beta Dec) K + (dA . beta Dec)^T K:
-    # with y taken as k (y rounded to the input dtype) in the last two terms, they are the row
-    # and the column sums of (dA . beta Dec) . K K^T (K K^T symmetric). Only <y, dk_in> needs a
-    # loop, of loads and no products. The rounding of y to k moves <y, dy> by about the input
-    # dtype's epsilon relative, as the rounding of dA . beta Dec in the products already did.
+  if FINISH_DK and USE_L2NORM and K <= 2 * BK:
+    # Whole rows of dk fit in registers (two [BT, BK] float32 tiles): dk is formed once, <y, dy>
+    # taken from it, and dk_in and the raw keys are read once, not twice as below.
     b_r = tl.load(rk + row * H + i_h, mask=mask_r, other=0.)
-    b_yd = tl.sum(b_dGa, 1) + tl.sum(b_dGa, 0)
+    o_k = tl.arange(0, BK)
+    m_rk = mask_r[:, None] & (o_k < K)[None, :]
+    b_dk1 = _dk_block(p_k, dk_in, p_kv, b_dAm, b_dAmt, o_a, o_k, m_rk, H, HV, K, DOT_PRECISION)
+    b_x1 = tl.load(x + o_kr + o_a[:, None] * (H * K) + o_k[None, :], mask=m_rk, other=0.)
+    b_yd = tl.sum(b_dk1 * b_x1.to(tl.float32), 1)
+    if K > BK:
+      o_k2 = BK + o_k
+      m_rk2 = mask_r[:, None] & (o_k2 < K)[None, :]
+      b_dk2 = _dk_block(p_k, dk_in, p_kv, b_dAm, b_dAmt, o_a, o_k2, m_rk2, H, HV, K,
+                        DOT_PRECISION)
+      b_x2 = tl.load(x + o_kr + o_a[:, None] * (H * K) + o_k2[None, :], mask=m_rk2, other=0.)
+      b_yd += tl.sum(b_dk2 * b_x2.to(tl.float32), 1)
+    b_yd = b_yd * b_r   # <y, dy>, y = x r
+    b_rr = b_r * b_r
+    tl.store(dk + p_kv + o_a[:, None] * (HV * K) + o_k[None, :],
+             (b_r[:, None] * b_dk1 - b_x1.to(tl.float32) * (b_rr * b_yd)[:, None]).to(
+                 dk.dtype.element_ty), mask=m_rk)
+    if K > BK:
+      tl.store(dk + p_kv + o_a[:, None] * (HV * K) + o_k2[None, :],
+               (b_r[:, None] * b_dk2 - b_x2.to(tl.float32) * (b_rr * b_yd)[:, None]).to(
+                   dk.dtype.element_ty), mask=m_rk2)
+  else:
+    if FINISH_DK and USE_L2NORM:
+      # <y, dy> per row without forming dy = dk_in + (dA . beta Dec) K + (dA . beta Dec)^T K:
+      # with y taken as k (y rounded to the input dtype) in the last two terms, they are the row
+      # and the column sums of (dA . beta Dec) . K K^T (K K^T symmetric). Only <y, dk_in> needs a
+      # loop, of loads and no products. The rounding of y to k moves <y, dy> by about the input
+      # dtype's epsilon relative, as the rounding of dA . beta Dec in the products already did.
+      b_r = tl.load(rk + row * H + i_h, mask=mask_r, other=0.)
+      b_yd = tl.sum(b_dGa, 1) + tl.sum(b_dGa, 0)
+      for i_k in range(tl.cdiv(K, BK)):
+        o_k = i_k * BK + tl.arange(0, BK)
+        m_rk = mask_r[:, None] & (o_k < K)[None, :]
+        b_y = tl.load(x + o_kr + o_a[:, None] * (H * K) + o_k[None, :], mask=m_rk,
+                      other=0.).to(tl.float32) * b_r[:, None]
+        b_dki = tl.load(dk_in + p_kv + o_a[:, None] * (HV * K) + o_k[None, :], mask=m_rk, other=0.)
+        b_yd += tl.sum(b_dki * b_y, 1)
     for i_k in range(tl.cdiv(K, BK)):
       o_k = i_k * BK + tl.arange(0, BK)
       m_rk = mask_r[:, None] & (o_k < K)[None, :]
-      b_y = tl.load(x + o_kr + o_a[:, None] * (H * K) + o_k[None, :], mask=m_rk,
-                    other=0.).to(tl.float32) * b_r[:, None]
-      b_dki = tl.load(dk_in + p_kv + o_a[:, None] * (HV * K) + o_k[None, :], mask=m_rk, other=0.)
-      b_yd += tl.sum(b_dki * b_y, 1)
-  for i_k in range(tl.cdiv(K, BK)):
-    o_k = i_k * BK + tl.arange(0, BK)
-    m_rk = mask_r[:, None] & (o_k < K)[None, :]
-    b_dk = _dk_block(p_k, dk_in, p_kv, b_dAm, b_dAmt, o_a, o_k, m_rk, H, HV, K, DOT_PRECISION)
-    if FINISH_DK and USE_L2NORM:
-      b_y = tl.load(x + o_kr + o_a[:, None] * (H * K) + o_k[None, :], mask=m_rk,
-                    other=0.).to(tl.float32) * b_r[:, None]
-      b_dk = b_r[:, None] * (b_dk - b_y * b_yd[:, None])
-    tl.store(dk + p_kv + o_a[:, None] * (HV * K) + o_k[None, :], b_dk.to(dk.dtype.element_ty),
-             mask=m_rk)
+      b_dk = _dk_block(p_k, dk_in, p_kv, b_dAm, b_dAmt, o_a, o_k, m_rk, H, HV, K, DOT_PRECISION)
+      if FINISH_DK and USE_L2NORM:
+        b_y = tl.load(x + o_kr + o_a[:, None] * (H * K) + o_k[None, :], mask=m_rk,
+                      other=0.).to(tl.float32) * b_r[:, None]
+        b_dk = b_r[:, None] * (b_dk - b_y * b_yd[:, None])
+      tl.store(dk + p_kv + o_a[:, None] * (HV * K) + o_k[None, :], b_dk.to(dk.dtype.element_ty),
+               mask=m_rk)
 
 
 @triton.jit
