@@ -102,11 +102,12 @@ class BwdConfig(NamedTuple):
   o_bv: int = 64
   o_warps: int = 4
   o_stages: int = 2
-  # chunk_dv_local's and chunk_wy_bwd's. sm_90, K = V = 128 bf16: 102 and 150 registers, 32 and
-  # 40 KB of shared memory at 2 stages, 112 / 150 registers and 48 KB each at 3, so three
-  # programs per SM either way.
+  # chunk_dv_local's and chunk_wy_bwd's. sm_90, K = V = 128 bf16: 72 and 150 registers, 36 and
+  # 48 KB of shared memory at 3 stages (24 and 40 KB at 2), three programs per SM either way.
+  # H100, 2026-12-07, same gradient bits: 3 stages took 69.0 / 282.1 us against 75.5 / 289.6 at
+  # 2 (B=4 T=2048 H=16 M=2), the step 1.437 against 1.455 ms (benchmarks/train_compact_h100.json).
   wy_warps: int = 4
-  wy_stages: int = 2
+  wy_stages: int = 3
   # qk_bwd, a pass bound by memory: BR rows times BK (K rounded up to a power of two) =
   # qk_block elements per program, 32 float32 values per thread per tile at 4 warps, and
   # thousands of programs at training sizes (8192 for dk at B=4 T=2048 H=16 M=2).
