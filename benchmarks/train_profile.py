@@ -154,13 +154,16 @@ def main():
   saved = {}
   ref_file = dict(np.load(args.grads_ref)) if args.grads_ref else {}
 
+  meta = {}
+
   def save(**entry):
     """Adds one run to the --json file, rewritten after every run."""
     if args.json:
       table.append(entry)
+      if not meta:   # date, commit, command, versions and device, once
+        meta.update(common.run_meta(), dtype=args.dtype)
       with open(args.json, "w") as fh:
-        json.dump(dict(meta=dict(commit=common.git_commit(), dtype=args.dtype), runs=table),
-                  fh, indent=1)
+        json.dump(dict(meta=meta, runs=table), fh, indent=1)
 
   def measure(title, f, x):
     """(f(x), ms per call, kernel profile) with the profile printed, or None where f fails (a
