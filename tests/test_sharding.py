@@ -623,8 +623,7 @@ def _start_child(backend):
                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
-@functools.lru_cache(maxsize=None)
-def _children():
+def _run_children():
   """Both children at once (they are mostly XLA compiles, one core each): {backend: results}."""
   backends = ["reference", "interpret"]
   procs = {b: _start_child(b) for b in backends}
@@ -644,45 +643,63 @@ def _children():
   return out
 
 
-def _check(backend, case):
-  results, rc, stderr = _children()[backend]
+@pytest.fixture(scope="session")
+def children(request, tmp_path_factory):
+  """The children's results, run once per test run. Under pytest-xdist the first worker that
+  needs them runs them and leaves them in the run's temporary folder, which its workers share,
+  for the others (a lock file orders them): otherwise every worker would run both children
+  again, four processes on a two-core machine."""
+  if not hasattr(request.config, "workerinput"):   # one process: nobody to share with
+    return _run_children()
+  import fcntl
+  shared = tmp_path_factory.getbasetemp().parent
+  path = shared / "sharding_children.json"
+  with open(shared / "sharding_children.lock", "w") as lock:
+    fcntl.flock(lock, fcntl.LOCK_EX)
+    if not path.exists():
+      path.write_text(json.dumps(_run_children()))
+    return json.loads(path.read_text())
+
+
+def _check(children, backend, case):
+  results, rc, stderr = children[backend]
   assert case in results, f"child ({backend}) did not report {case} (exit {rc}):\n{stderr}"
   err = results[case]["error"]
   assert err is None, f"{backend} {case}: {err}"
 
 
 @pytest.mark.parametrize("case", CASES + REFERENCE_CASES)
-def test_sharded_reference(case):
-  _check("reference", case)
+def test_sharded_reference(case, children):
+  _check(children, "reference", case)
 
 
 # Under shard_map each CPU device runs its pure_callback on its own thread, and Triton's
 # interpreter patches triton.language globals while a kernel runs, so concurrent launches corrupt
 # each other ("Did you forget to add @triton.jit ?"); _launch serialises them with a lock.
 @pytest.mark.parametrize("case", CASES)
-def test_sharded_interpret(case):
-  _check("interpret", case)
+def test_sharded_interpret(case, children):
+  _check(children, "interpret", case)
 
 
 @pytest.mark.parametrize("case", REJECTIONS)
-def test_rejections(case):
-  _check("reference", case)
+def test_rejections(case, children):
+  _check(children, "reference", case)
 
 
 @pytest.mark.parametrize("case", GRAD_CASES)
-def test_grad_reference(case):
-  _check("reference", case)
+def test_grad_reference(case, children):
+  _check(children, "reference", case)
 
 
 @pytest.mark.parametrize("case", GRAD_INTERPRET)
-def test_grad_interpret(case):
-  _check("interpret", case)
+def test_grad_interpret(case, children):
+  _check(children, "interpret", case)
 
 
 @pytest.mark.parametrize("case", MODEL_CASES)
-def test_example_model(case):
+def test_example_model(case, children):
   pytest.importorskip("flax.nnx", reason="the example model needs the optional dependency flax")
-  _check("interpret" if case.endswith("interpret") else "reference", case)
+  _check(children, "interpret" if case.endswith("interpret") else "reference", case)
 
 
 # --------------------------------------------------------------------------------------------
