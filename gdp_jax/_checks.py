@@ -408,7 +408,7 @@ _CONFIG_FIELDS = {
         wy_warps=_WARPS, wy_stages=_STAGES, wy_max_registers=_REGISTERS,
         # qk_bwd's rows per program, qk_block // BK, must be a power of two too.
         qk_block=_pow2(16), qk_warps=_WARPS,
-        finish_dk=_BIT, f32_precision=_F32),
+        finish_dk=_BIT, partials=_choice("float32", "input"), f32_precision=_F32),
 }
 
 

@@ -24,12 +24,13 @@ the token stream):
                decay's reverse cumulative sum                                       chunk_wy_bwd
     per rows   dq, dk: sum over value heads, L2 norm backward, zero tail, cast     qk_bwd
 
-The last is one pass over each of the float32 [rows, HV, K] buffers of dq (token stream: dq
-exists on each token's last copy only, where q~ sits) and dk (expanded stream): it sums the
-value heads of each key head, applies the L2 norm's backward dx = (dy - y <y, dy>) / |x|_eps,
-writes rows past cu_seqlens[N] as zeros and stores the gradient in its input's dtype. With
-HV == H there is nothing to sum for dk and chunk_wy_bwd finishes it in place of qk_bwd (the
-norm backward from the forward's key norms, the cast, the zero tail: no float32 dk in memory).
+The last is one pass over each of the [rows, HV, K] buffers (float32, or the input dtype under
+BwdConfig.partials) of dq (token stream: dq exists on each token's last copy only, where q~
+sits) and dk (expanded stream): it sums the value heads of each key head in float32, applies
+the L2 norm's backward dx = (dy - y <y, dy>) / |x|_eps, writes rows past cu_seqlens[N] as zeros
+and stores the gradient in its input's dtype. With HV == H there is nothing to sum for dk and
+chunk_wy_bwd finishes it in place of qk_bwd (the norm backward from the forward's key norms, the
+cast, the zero tail: no per-value-head dk in memory).
 With cu_seqlens chunk_wy_bwd also writes the zero rows past cu_seqlens[N] of dv, dbeta and dg.
 The normalised q and k rows the kernels take are stored by the training forward (stages 2 and
 6); what stays in XLA is dg kept from each token's first copy. The chunk states are saved by the
@@ -121,8 +122,14 @@ class BwdConfig(NamedTuple):
   qk_block: int = 4096
   qk_warps: int = 4
   # With HV == H, chunk_wy_bwd finishes dk (norm backward, cast, zero tail) instead of writing
-  # float32 rows for qk_bwd (0: the qk_bwd path, kept to time the two against each other).
+  # rows per value head for qk_bwd (0: the qk_bwd path, kept to time the two against each other).
   finish_dk: int = 1
+  # The dtype of the partial gradients one kernel hands the next: chunk_o_bwd's dq~ and dk per
+  # value head, and chunk_wy_bwd's dk where qk_bwd finishes it. "input" stores them in the input
+  # dtype: each is written once and read once, so at bf16 B=4 T=2048 H=16 K=V=128 M=2 that is
+  # 201 MB less HBM traffic than float32. The cost: one more rounding of each partial sum to
+  # bf16 (the kernels still add in float32). Float32 inputs are unaffected.
+  partials: str = "float32"   # "float32" | "input"
   # The dots on float32 inputs, as FwdConfig.f32_precision ("tf32x3" or "ieee"); the forward
   # rule's kernels take _Static.fwd_config's.
   f32_precision: str = "tf32x3"
@@ -187,10 +194,11 @@ _prefill.defvjp(_prefill_fwd, _prefill_bwd)
 
 
 def _qk_bwd(dy_v, x, cu, N, M, H, out_dtype, backend, cfg):
-  """dq or dk [rows, H, K] in out_dtype from the per-value-head float32 cotangent dy_v
-  [rows, HV, K] (kernels/qk_bwd.py): dy, the float32 sum over each key head's value heads; with
-  x (the raw rows [rows, H, K]; None: no L2 norm) the norm's backward r (dy - y <y, dy>),
-  y = x r, r = 1 / sqrt(|x|^2 + 1e-6); rows at or past cu[N] * M zero (M rows per token)."""
+  """dq or dk [rows, H, K] in out_dtype from the per-value-head cotangent dy_v [rows, HV, K]
+  (float32, or the input dtype under BwdConfig.partials="input"; kernels/qk_bwd.py): dy, the
+  float32 sum over each key head's value heads; with x (the raw rows [rows, H, K]; None: no L2
+  norm) the norm's backward r (dy - y <y, dy>), y = x r, r = 1 / sqrt(|x|^2 + 1e-6); rows at or
+  past cu[N] * M zero (M rows per token)."""
   rows, HV, K = dy_v.shape
   bk = 1 << (K - 1).bit_length()
   br = max(1, cfg.qk_block // bk)
@@ -244,6 +252,7 @@ def _backward(q, k, v, g, beta, initial_state, cu_seqlens, res, do, dht, static)
   dtype = k.dtype
   cfg = static.config
   prec = pk._dot_precision(dtype, cfg.f32_precision)
+  part = dtype if cfg.partials == "input" else jnp.float32   # the hand-off buffers' dtype
   TT, R = B * T, B * T * M
 
   kp = k.reshape(R, H, K)
@@ -315,7 +324,7 @@ def _backward(q, k, v, g, beta, initial_state, cu_seqlens, res, do, dht, static)
       "chunk_o_bwd.chunk_o_bwd_kernel", qn, kn, v_new, h_x, do_t, dh, xp,
       gx if use_g else ph(), beta_p, cu, desc_x, float(static.scale),
       grid=(desc_x.shape[0] * nk, HV),   # the K block fastest (shared tiles in L2)
-      out_shape=[jax.ShapeDtypeStruct((TT, HV, K), f32), jax.ShapeDtypeStruct((R, HV, K), f32),
+      out_shape=[jax.ShapeDtypeStruct((TT, HV, K), part), jax.ShapeDtypeStruct((R, HV, K), part),
                  jax.ShapeDtypeStruct((R, HV, nk), f32),
                  jax.ShapeDtypeStruct((R, HV, nk) if use_g else (1,), f32)],
       backend=backend, num_warps=cfg.o_warps, num_stages=cfg.o_stages,
@@ -324,8 +333,8 @@ def _backward(q, k, v, g, beta, initial_state, cu_seqlens, res, do, dht, static)
       DOT_PRECISION=prec)
 
   # Without value heads to sum (HV == H), chunk_wy_bwd finishes dk in k's dtype; otherwise it
-  # leaves float32 rows per value head for qk_bwd. With cu_seqlens it writes the zero rows past
-  # cu_seqlens[N] of its outputs too (block i_d by descriptor i_d: enough descriptors).
+  # leaves rows per value head (in `part`) for qk_bwd. With cu_seqlens it writes the zero rows
+  # past cu_seqlens[N] of its outputs too (block i_d by descriptor i_d: enough descriptors).
   l2 = static.use_qk_l2norm_in_kernel
   finish_dk = HV == H and bool(cfg.finish_dk)
   assert desc_x.shape[0] * BT >= R, (desc_x.shape, R)
@@ -334,7 +343,7 @@ def _backward(q, k, v, g, beta, initial_state, cu_seqlens, res, do, dht, static)
       dk_o, db_k, dg_k if use_g else ph(), kp if finish_dk and l2 else ph(dtype),
       rk if finish_dk and l2 else ph(), cu, desc_x, N, R,
       grid=(desc_x.shape[0], HV),
-      out_shape=[jax.ShapeDtypeStruct((R, HV, K), k.dtype if finish_dk else f32),
+      out_shape=[jax.ShapeDtypeStruct((R, HV, K), k.dtype if finish_dk else part),
                  jax.ShapeDtypeStruct((R, HV, V), v.dtype),
                  jax.ShapeDtypeStruct((R, HV), f32),
                  jax.ShapeDtypeStruct((R, HV) if use_g else (1,), f32),

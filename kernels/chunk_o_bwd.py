@@ -62,8 +62,8 @@ def chunk_o_bwd_kernel(
     chunk_desc,  # [NXD, 2] int32 (sequence, expanded chunk within it); sequence -1 = padding
     scale,       # float32 query scale
     # outputs
-    dq,          # [T, HV, K] float32 cotangent of q per value head
-    dk,          # [T*M, HV, K] float32 (output, state-update and Kb parts)
+    dq,          # [T, HV, K] cotangent of q per value head, float32 or input dtype
+    dk,          # [T*M, HV, K] (output, state-update and Kb parts), float32 or input dtype
     db,          # [T*M, HV, NK] float32 dbeta's part Gamma <dKb, k> per K block
     dg,          # [T*M, HV, NK] float32 dG per K block; never written without USE_G
     # sizes
@@ -196,6 +196,6 @@ def _store_k_block(q, k, beta, dq, dk, db, dg, b_dpt, b_dqi, b_dks, b_xs, b_sds,
     b_dg = tl.where(o_a == n - 1, b_dg + b_last, b_dg)
     tl.store(dg + ((row0 + o_a) * HV + i_hv) * NK + i_k, b_dg, mask=mask_r)
   tl.store(dk + (row0 + o_a[:, None]) * (HV * K) + i_hv * K + o_k[None, :],
-           b_dk - b_xs * b_bg[:, None], mask=m_rk)
-  tl.store(dq + tok[None, :] * (HV * K) + i_hv * K + o_k[:, None], b_dqt,
-           mask=mask_k[:, None] & mask_q[None, :])
+           (b_dk - b_xs * b_bg[:, None]).to(dk.dtype.element_ty), mask=m_rk)
+  tl.store(dq + tok[None, :] * (HV * K) + i_hv * K + o_k[:, None],
+           b_dqt.to(dq.dtype.element_ty), mask=mask_k[:, None] & mask_q[None, :])

@@ -24,12 +24,12 @@ chunk's reverse cumulative sum turns dG (the cotangent of the chunk-local cumula
 into the cotangent of each row's own log decay.
 
 With FINISH_DK (HV == H: no value heads to sum) the program owns whole rows of the key
-gradient, so it finishes dk itself instead of leaving float32 rows for qk_bwd: with USE_L2NORM
-the norm's backward dx = r (dy - y <y, dy>), y = x r (x the raw key row, r its row factor from
-the forward), then the cast to the gradient's dtype. <y, dy> needs the whole row before any of
-it is stored; it comes without forming dy, from sums the products already give (the row and
-column sums of (dA . beta Dec) . K K^T) and one loop of loads for <y, dk_in>, with k (y rounded
-to the input dtype) in place of y in the other terms.
+gradient, so it finishes dk itself instead of leaving rows per value head for qk_bwd: with
+USE_L2NORM the norm's backward dx = r (dy - y <y, dy>), y = x r (x the raw key row, r its row
+factor from the forward), then the cast to the gradient's dtype. <y, dy> needs the whole row
+before any of it is stored; it comes without forming dy, from sums the products already give
+(the row and column sums of (dA . beta Dec) . K K^T) and one loop of loads for <y, dk_in>, with
+k (y rounded to the input dtype) in place of y in the other terms.
 
 With ZERO_TAIL (packed inputs) program i_d also writes zeros over the i_d-th block of BT rows at
 or past cu_seqlens[N] * M in dv, dbeta, dg and (with FINISH_DK) dk: those rows belong to no
@@ -52,7 +52,7 @@ def chunk_wy_bwd_kernel(
     beta,        # [T*M, HV] float32
     g_cum,       # [T*M, HV] float32 Gx; a placeholder when USE_G is False
     dx,          # [T*M, HV, V] X = T^T dV' from chunk_h_bwd, input dtype
-    dk_in,       # [T*M, HV, K] float32 from chunk_o_bwd
+    dk_in,       # [T*M, HV, K] from chunk_o_bwd, float32 or input dtype (BwdConfig.partials)
     db_in,       # [T*M, HV, NK] float32 from chunk_o_bwd
     dg_in,       # [T*M, HV, NK] float32 from chunk_o_bwd; a placeholder when USE_G is False
     x,           # [T*M, H, K] raw keys; a placeholder unless FINISH_DK and USE_L2NORM
@@ -62,8 +62,8 @@ def chunk_wy_bwd_kernel(
     N,           # sequences
     R,           # rows of the expanded stream, T*M
     # outputs
-    dk,          # [T*M, HV, K] float32 per value head; with FINISH_DK the key gradient in its
-                 # dtype
+    dk,          # [T*M, HV, K] per value head, float32 or input dtype (BwdConfig.partials);
+                 # with FINISH_DK the key gradient in its dtype
     dv,          # [T*M, HV, V] in the dtype of v's cotangent (the last use: no float32 copy)
     dbeta,       # [T*M, HV] float32
     dg,          # [T*M, HV] float32 cotangent of each row's log decay; unwritten without USE_G
@@ -211,7 +211,8 @@ def chunk_wy_bwd_kernel(
         m_rk = mask_r[:, None] & (o_k < K)[None, :]
         b_y = tl.load(x + o_kr + o_a[:, None] * (H * K) + o_k[None, :], mask=m_rk,
                       other=0.).to(tl.float32) * b_r[:, None]
-        b_dki = tl.load(dk_in + p_kv + o_a[:, None] * (HV * K) + o_k[None, :], mask=m_rk, other=0.)
+        b_dki = tl.load(dk_in + p_kv + o_a[:, None] * (HV * K) + o_k[None, :], mask=m_rk,
+                        other=0.).to(tl.float32)
         b_yd += tl.sum(b_dki * b_y, 1)
     for i_k in range(tl.cdiv(K, BK)):
       o_k = i_k * BK + tl.arange(0, BK)
@@ -232,7 +233,8 @@ def _dk_block(p_k, dk_in, p_kv, b_dAm, b_dAmt, o_a, o_k, m_rk, H: tl.constexpr, 
   + (dA . beta Dec)^T K."""
   b_k = tl.load(p_k + o_a[:, None] * (H * K) + o_k[None, :], mask=m_rk, other=0.)
   dt = b_k.dtype
-  b_dk = tl.load(dk_in + p_kv + o_a[:, None] * (HV * K) + o_k[None, :], mask=m_rk, other=0.)
+  b_dk = tl.load(dk_in + p_kv + o_a[:, None] * (HV * K) + o_k[None, :], mask=m_rk,
+                 other=0.).to(tl.float32)
   b_dk += tl.dot(b_dAm.to(dt), b_k, input_precision=DOT_PRECISION)
   b_dk += tl.dot(b_dAmt.to(dt), b_k, input_precision=DOT_PRECISION)
   return b_dk

@@ -1,10 +1,10 @@
 """The last step of the prefill backward for q and k (docs/algorithm.md §13.1, step 5).
 
 chunk_o_bwd and chunk_wy_bwd leave the cotangents of the (normalised) queries and keys per value
-head, float32 [rows, HV, K]; the value heads h*G .. h*G+G-1 (G = HV // H) share key head h's q
-and k rows, so for each row and key head:
+head, [rows, HV, K] in float32 (or in the input dtype: BwdConfig.partials); the value heads
+h*G .. h*G+G-1 (G = HV // H) share key head h's q and k rows, so for each row and key head:
 
-    dy = sum over the G value heads of the float32 rows              (float32, in head order)
+    dy = sum over the G value heads of the rows                       (float32, in head order)
     dx = r (dy - y <y, dy>),  y = x r,  r = 1 / sqrt(|x|^2 + 1e-6)    with USE_L2NORM
     dx = dy                                                           without
     dx = 0 for rows at or past cu_seqlens[N] * M
@@ -12,10 +12,10 @@ and k rows, so for each row and key head:
 x being the raw (unnormalised) row in the input dtype, the L2 norm's input (§4.2: the forward's
 epsilon). M is the rows per token of the stream: 1 for dq on the token stream, the Householder
 count for dk on the expanded stream. Rows past the limit belong to no sequence; no kernel wrote
-their float32 rows, so they are not loaded: a masked row loads as zeros, whose gradient is
+their rows, so they are not loaded: a masked row loads as zeros, whose gradient is
 exactly zero (0 - 0 <0, 0> scaled by r), and the store covers every row.
 
-One pass that reads each float32 buffer once and writes the gradient in its dtype; the L2 norm
+One pass that reads each buffer once and writes the gradient in its dtype; the L2 norm
 needs the whole K row, so a program holds BR full rows (BK = K rounded up to a power of two).
 
 Grid: (ceil(R / BR), H) with R rows. Parameter order: inputs, outputs, constexprs.
@@ -27,7 +27,8 @@ import triton.language as tl
 @triton.jit
 def qk_bwd_kernel(
     # inputs
-    dy_v,        # [R, HV, K] float32 cotangent of the normalised rows, per value head
+    dy_v,        # [R, HV, K] cotangent of the normalised rows per value head, float32 or input
+                 # dtype (BwdConfig.partials)
     x,           # [R, H, K] the raw rows, input dtype; a placeholder when USE_L2NORM is False
     cu_seqlens,  # [N+1] int32 token-stream sequence starts; rows >= cu_seqlens[N] * M are zero
     N,           # sequences
@@ -56,7 +57,7 @@ def qk_bwd_kernel(
   p_dy = dy_v + row[:, None] * (HV * K) + i_h * (G * K) + o_k[None, :]
   b_dy = tl.zeros([BR, BK], dtype=tl.float32)
   for i_g in tl.static_range(G):
-    b_dy += tl.load(p_dy + i_g * K, mask=m_live, other=0.)
+    b_dy += tl.load(p_dy + i_g * K, mask=m_live, other=0.).to(tl.float32)
 
   p_x = row[:, None] * (H * K) + i_h * K + o_k[None, :]
   if USE_L2NORM:

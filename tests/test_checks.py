@@ -231,6 +231,8 @@ CONFIG_BAD = [
     (dict(bwd_config=Bwd(o_bk=32.0)), r"bwd_config: BwdConfig.o_bk: expected a power of two >= 16, got 32.0"),
     (dict(bwd_config=Bwd(finish_dk=2)), r"bwd_config: BwdConfig.finish_dk: expected 0 or 1, got 2"),
     (dict(bwd_config=Bwd(f32_precision="tf32")), r"bwd_config: BwdConfig.f32_precision: expected one of"),
+    (dict(bwd_config=Bwd(partials="bfloat16")),
+     r"bwd_config: BwdConfig.partials: expected one of 'float32', 'input', got 'bfloat16'"),
 ]
 
 

@@ -183,7 +183,12 @@ def test_prefill_grads(c):
 # The float32 cases again with exact float32 products ("ieee": FMA loops on the CUDA cores;
 # the default is "tf32x3", docs/algorithm.md §4.5), within the same float32 tolerances.
 IEEE = (_prefill_bwd.BwdConfig(f32_precision="ieee"), pk.FwdConfig(f32_precision="ieee"))
-GPU_CONFIGS = float32_again(GPU_CASES, IEEE, "ieee")
+# The 16-bit cases again with the per-value-head dq and dk handed between the backward kernels
+# in bf16 (BwdConfig.partials; below, test_partials_in_input_dtype), within the same tolerances.
+PARTIALS = _prefill_bwd.BwdConfig(partials="input")
+GPU_CONFIGS = float32_again(GPU_CASES, IEEE, "ieee") + [
+    pytest.param(c, PARTIALS, id=f"{c.id}-partials_input") for c in GPU_CASES
+    if c.dtype == "bfloat16"]
 
 
 @pytest.mark.gpu
@@ -274,6 +279,53 @@ def check_finish_paths(c, backend):
       assert bits_equal(qk[n], wy[n]), f"d{n} differs between the two paths"
     e = err_ratio(np.asarray(qk[n], f64), np.asarray(wy[n], f64))
     assert e < tol, f"d{n}: ratio {e:.3e} between the paths"
+
+
+# BwdConfig.partials="input": chunk_o_bwd's dq~ and dk, and chunk_wy_bwd's dk where qk_bwd sums
+# it, go between the kernels in bf16. HV > H (qk_bwd sums dk) and HV == H (chunk_wy_bwd finishes
+# dk; with finish_dk=0 qk_bwd does), packed with an empty sequence.
+PARTIALS_CASES = [
+    Case(T=90, H=1, HV=2, K=32, V=32, M=2, dtype="bfloat16", varlen=(30, 0, 50), l2norm=True),
+    Case(T=90, H=2, HV=2, K=32, V=32, M=3, dtype="bfloat16", varlen=(30, 0, 50), l2norm=True),
+]
+
+
+@pytest.mark.parametrize("c", PARTIALS_CASES, ids=lambda c: c.id)
+def test_partials_in_input_dtype(c):
+  """Against the reference, and against float32 partials: dq and dk within a few bf16
+  roundings (measured 2.5e-3 to 3.4e-3), every other gradient (none reads the partials) bit for
+  bit in the interpreter (compiled, a store's dtype may change how a kernel lays out its
+  reductions)."""
+  configs = [PARTIALS] + ([PARTIALS._replace(finish_dk=0)] if c.H == c.HV else [])
+  default, *outs = check_grads(c, KERNEL_BACKEND, configs=[_prefill_bwd.BwdConfig()] + configs)
+  for cfg, out in zip(configs, outs):
+    for n in out:
+      if n not in ("q", "k") and KERNEL_BACKEND == "interpret":
+        assert bits_equal(default[n], out[n]), f"d{n} under {cfg} differs"
+      e = err_ratio(np.asarray(default[n], f64), np.asarray(out[n], f64))
+      assert e < (1e-2 if n in ("q", "k") else 1e-3), f"d{n} under {cfg}: ratio {e:.3e}"
+
+
+def test_partials_reach_the_launches(monkeypatch):
+  """The hand-off buffers' dtypes as launched: chunk_o_bwd's dq~ and dk, chunk_wy_bwd's dk
+  (HV > H) and the two qk_bwd inputs. Traced only (eval_shape), at a shape no other test
+  traces, so that no cached program hides the launches."""
+  c = Case(T=37, H=1, HV=2, K=40, V=24, M=2, dtype="bfloat16", l2norm=True)
+  x, cts, kw = make_inputs(c, 0)
+
+  def dtypes(config):
+    handoff = {"chunk_o_bwd.chunk_o_bwd_kernel": lambda args, out: out[:2],
+               "chunk_wy_bwd.chunk_wy_bwd_kernel": lambda args, out: out[:1],
+               "qk_bwd.qk_bwd_kernel": lambda args, out: args[:1]}
+    seen = spy_launches(monkeypatch, lambda kernel, args, kwargs: (
+        (kernel.split(".")[0], *(a.dtype.name for a in handoff[kernel](args, kwargs["out_shape"])))
+        if kernel in handoff else None))
+    jax.eval_shape(lambda x: grads(x, cts, kw, KERNEL_BACKEND, config), _cast(c, x))
+    return seen
+
+  for config, dt in ((None, "float32"), (PARTIALS, "bfloat16")):
+    assert dtypes(config) == [("chunk_o_bwd", dt, dt), ("chunk_wy_bwd", dt), ("qk_bwd", dt),
+                              ("qk_bwd", dt)], config
 
 
 def test_training_forward_stores_normalised_rows():
