@@ -42,10 +42,7 @@ def _jax_triton():
       os.environ.pop("TRITON_CACHE_DIR", None)
     else:
       os.environ["TRITON_CACHE_DIR"] = before
-  # Whoever imported jax_triton first (a benchmark does, to restore TRITON_CACHE_DIR), the hook
-  # goes on once.
-  lib = sys.modules["jax_triton.triton_lib"]
-  if not getattr(lib.get_or_create_triton_kernel, "gdp_register_cap_hook", False):
+    lib = sys.modules["jax_triton.triton_lib"]
     lib.get_or_create_triton_kernel = _register_cap_hook(lib.get_or_create_triton_kernel)
   return sys.modules["jax_triton"]
 
@@ -66,7 +63,6 @@ def _register_cap_hook(get_or_create):
       return get_or_create(capped_backend, platform, fn, *args, **kwargs)
     return get_or_create(backend_init_func, platform, fn, *args, **kwargs)
 
-  hooked.gdp_register_cap_hook = True
   return hooked
 
 
@@ -76,10 +72,6 @@ def capped_kernel(fn, max_registers: int):
   distinct entry of jax-triton's compile cache) carrying the cap for `_register_cap_hook`."""
   capped = copy.copy(fn)
   capped.gdp_max_registers = max_registers
-  if hasattr(fn, "cache_key"):
-    # A compiled @triton.jit function hashes by its source: give the copy a hash of its own,
-    # which jax-triton names its dump folder (JAX_TRITON_DUMP_DIR) after.
-    capped.hash = f"{fn.cache_key}-maxnreg{max_registers}"
   return capped
 
 
