@@ -378,7 +378,6 @@ def _choice(*values):
 # may still exceed a GPU's registers or shared memory, which only compiling tells.
 _WARPS = _int_rule("1, 2, 4, 8, 16 or 32", lambda x: x in (1, 2, 4, 8, 16, 32))
 _STAGES = _int_rule("an int >= 1", lambda x: x >= 1)
-_REGISTERS = _int_rule("0 (no cap) or 16 to 255", lambda x: x == 0 or 16 <= x <= 255)
 _TILE = _pow2(16)
 _PRECISION16 = _choice("tf32x3", "ieee", "tf32")   # dots on 16-bit inputs ("tf32": the default)
 _F32 = _choice(*F32_PRECISIONS)   # float32 inputs: float32-level products only
@@ -398,14 +397,14 @@ _CONFIG_FIELDS = {
             lambda x: x == 0 or (x >= 16 and x & (x - 1) == 0)),
         h_warps=_WARPS,
         h_stages=_STAGES, h_stages_f32=_STAGES, o_bk=_TILE, o_bv=_TILE, o_warps=_WARPS,
-        o_stages=_STAGES, o_max_registers=_REGISTERS),
+        o_stages=_STAGES),
     BwdConfig: dict(
         h_bv=_TILE, h_bv_big_k=_TILE, h_warps=_WARPS, h_stages=_STAGES,
         h_split=_int_rule("an int >= 0 (0: from the number of programs, 1: never split, n > 1: "
                           "n pieces per sequence)", lambda x: x >= 0),
         h_split_min_programs=_COUNT, h_split_programs=_POSITIVE, h_split_max=_POSITIVE,
-        o_bk=_TILE, o_bv=_TILE, o_warps=_WARPS, o_stages=_STAGES, o_max_registers=_REGISTERS,
-        wy_warps=_WARPS, wy_stages=_STAGES, wy_max_registers=_REGISTERS,
+        o_bk=_TILE, o_bv=_TILE, o_warps=_WARPS, o_stages=_STAGES, wy_warps=_WARPS,
+        wy_stages=_STAGES,
         # qk_bwd's rows per program, qk_block // BK, must be a power of two too.
         qk_block=_pow2(16), qk_warps=_WARPS,
         finish_dk=_BIT, partials=_choice("float32", "input"), f32_precision=_F32),

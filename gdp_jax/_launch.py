@@ -61,7 +61,6 @@ def call(
     input_output_aliases: dict[int, int] | None = None,
     num_warps: int = 4,
     num_stages: int = 2,
-    max_registers: int = 0,
     **constexprs,
 ) -> tuple[jax.Array, ...]:
   """Launches `gdp_kernels.<kernel>` on `grid`.
@@ -76,10 +75,6 @@ def call(
     input_output_aliases: {position in args: output index}; the output starts as a copy of that
       input (or is that buffer, when donated under jit on the GPU).
     num_warps, num_stages: compile options (ignored by the interpreter).
-    max_registers: 0, or a cap of 16 to 255 registers per thread for ptxas (maxnreg): a kernel
-      just above a residency step (2 programs per SM at 181 registers, 3 at 168) may run faster
-      capped, paying a little spill. Applied by the "triton" backend only: XLA's Triton call
-      takes no such option and the interpreter has no registers.
     **constexprs: the kernel's constexpr parameters.
 
   Returns:
@@ -102,8 +97,6 @@ def call(
       raise ValueError(
           f"input_output_aliases: argument {i} is {args[i].dtype}{list(args[i].shape)}, output "
           f"{j} is {out_shape[j].dtype}{list(out_shape[j].shape)}")
-  if max_registers != 0 and not 16 <= max_registers <= 255:
-    raise ValueError(f"max_registers: expected 0 (no cap) or 16 to 255, got {max_registers!r}")
   if backend not in BACKEND_MODULES:
     raise ValueError(
         f"backend: expected one of {tuple(BACKEND_MODULES)} for a kernel launch, got {backend!r}")
@@ -112,8 +105,7 @@ def call(
   spec = LaunchSpec(
       kernel=kernel, args=tuple(ARRAY if is_array(a) else a for a in args), grid=grid,
       out_shape=out_shape, aliases=tuple(sorted(aliases.items())), num_warps=int(num_warps),
-      num_stages=int(num_stages), constexprs=tuple(sorted(constexprs.items())),
-      max_registers=int(max_registers))
+      num_stages=int(num_stages), constexprs=tuple(sorted(constexprs.items())))
   run = importlib.import_module(BACKEND_MODULES[backend]).run
 
   @jax.custom_batching.custom_vmap

@@ -15,17 +15,10 @@ Every quirk of jax-triton 0.3.1 lives here and nowhere else:
 * it emits the custom call `triton_kernel_call`, which jaxlib launches from the host on every
   call and XLA does not capture into a CUDA graph (docs/performance.md, "Launch cost");
 * it compiles each kernel specialization (dtypes, constexprs, warps, stages) once per process, at
-  lowering, into a module-level dict, and never on disk: `compiled_kernels` counts them;
-* it takes no register cap (Triton's `maxnreg` option): a capped launch runs a copy of the
-  @triton.jit function that carries its cap (the compile cache is keyed on the function
-  object, so the capped and uncapped kernels stay apart), and `_register_cap_hook`, installed
-  once over `triton_lib.get_or_create_triton_kernel`, adds the cap to the options Triton's
-  backend parses for that copy.
+  lowering, into a module-level dict, and never on disk: `compiled_kernels` counts them.
 """
 from __future__ import annotations
 
-import copy
-import functools
 import os
 import sys
 
@@ -42,37 +35,7 @@ def _jax_triton():
       os.environ.pop("TRITON_CACHE_DIR", None)
     else:
       os.environ["TRITON_CACHE_DIR"] = before
-    lib = sys.modules["jax_triton.triton_lib"]
-    lib.get_or_create_triton_kernel = _register_cap_hook(lib.get_or_create_triton_kernel)
   return sys.modules["jax_triton"]
-
-
-def _register_cap_hook(get_or_create):
-  """jax-triton's compile entry, `get_or_create(backend_init_func, platform, fn, ...)`, made to
-  pass `maxnreg` to Triton for a function that carries `gdp_max_registers`."""
-
-  @functools.wraps(get_or_create)
-  def hooked(backend_init_func, platform, fn, *args, **kwargs):
-    cap = getattr(fn, "gdp_max_registers", 0)
-    if cap:
-      def capped_backend(*a, **kw):
-        backend = backend_init_func(*a, **kw)
-        parse = backend.parse_options
-        backend.parse_options = lambda opts: parse({**opts, "maxnreg": cap})
-        return backend
-      return get_or_create(capped_backend, platform, fn, *args, **kwargs)
-    return get_or_create(backend_init_func, platform, fn, *args, **kwargs)
-
-  return hooked
-
-
-@functools.cache
-def capped_kernel(fn, max_registers: int):
-  """The @triton.jit function `fn` under a register cap: a copy of it (a distinct object, so a
-  distinct entry of jax-triton's compile cache) carrying the cap for `_register_cap_hook`."""
-  capped = copy.copy(fn)
-  capped.gdp_max_registers = max_registers
-  return capped
 
 
 def compiled_kernels() -> int:
@@ -83,13 +46,9 @@ def compiled_kernels() -> int:
 
 
 def run(spec: LaunchSpec, arrays):
-  jt = _jax_triton()
-  kernel = kernel_function(spec.kernel, interpret=False)
-  if spec.max_registers:
-    kernel = capped_kernel(kernel, spec.max_registers)
-  return tuple(jt.triton_call(
+  return tuple(_jax_triton().triton_call(
       *spec.with_arrays(arrays),
-      kernel=kernel,
+      kernel=kernel_function(spec.kernel, interpret=False),
       out_shape=list(spec.out_shape),
       grid=spec.grid,
       num_warps=spec.num_warps,

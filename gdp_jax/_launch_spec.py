@@ -41,8 +41,6 @@ class LaunchSpec:
     aliases: (input position, output index) pairs: that output starts as that input.
     num_warps, num_stages: compile options.
     constexprs: (name, value) pairs of the kernel's constexpr parameters.
-    max_registers: registers per thread the compiler may use (ptxas's maxnreg), 0 for its own
-      choice; only the "triton" backend applies it (docs/api.md, "Register caps").
   """
   kernel: str | Callable
   args: tuple
@@ -52,7 +50,6 @@ class LaunchSpec:
   num_warps: int
   num_stages: int
   constexprs: tuple[tuple[str, Any], ...]
-  max_registers: int = 0
 
   @property
   def array_positions(self) -> list[int]:

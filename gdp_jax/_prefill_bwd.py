@@ -103,19 +103,12 @@ class BwdConfig(NamedTuple):
   o_bv: int = 64
   o_warps: int = 4
   o_stages: int = 2
-  # Register caps (ptxas maxnreg; 0: none; "triton" backend only) of chunk_o_bwd and
-  # chunk_wy_bwd: a program just above a residency step (sm_90, 4 warps: 2 programs per SM up
-  # to 255 registers, 3 up to 168, 4 up to 128) may run faster capped at the step, paying a
-  # little spill. sm_90, K = V = 128 bf16 (Triton 3.6): chunk_o_bwd at o_bk=32 takes 181
-  # registers, capped at 168 it spills 32 B; chunk_wy_bwd capped at 128 spills 24 B.
-  o_max_registers: int = 0
   # chunk_dv_local's and chunk_wy_bwd's. sm_90, K = V = 128 bf16: 72 and 150 registers, 36 and
   # 48 KB of shared memory at 3 stages (24 and 40 KB at 2), three programs per SM either way.
   # H100, 2026-12-07, same gradient bits: 3 stages took 69.0 / 282.1 us against 75.5 / 289.6 at
   # 2 (B=4 T=2048 H=16 M=2), the step 1.437 against 1.455 ms (benchmarks/train_compact_h100.json).
   wy_warps: int = 4
   wy_stages: int = 3
-  wy_max_registers: int = 0
   # qk_bwd, a pass bound by memory: BR rows times BK (K rounded up to a power of two) =
   # qk_block elements per program, 32 float32 values per thread per tile at 4 warps, and
   # thousands of programs at training sizes (8192 for dk at B=4 T=2048 H=16 M=2).
@@ -328,7 +321,6 @@ def _backward(q, k, v, g, beta, initial_state, cu_seqlens, res, do, dht, static)
                  jax.ShapeDtypeStruct((R, HV, nk), f32),
                  jax.ShapeDtypeStruct((R, HV, nk) if use_g else (1,), f32)],
       backend=backend, num_warps=cfg.o_warps, num_stages=cfg.o_stages,
-      max_registers=cfg.o_max_registers,
       H=H, HV=HV, K=K, V=V, M=M, BT=BT, BK=cfg.o_bk, BV=cfg.o_bv, NK=nk, USE_G=use_g,
       DOT_PRECISION=prec)
 
@@ -349,7 +341,6 @@ def _backward(q, k, v, g, beta, initial_state, cu_seqlens, res, do, dht, static)
                  jax.ShapeDtypeStruct((R, HV) if use_g else (1,), f32),
                  jax.ShapeDtypeStruct((R, HV, BT), dtype)],
       backend=backend, num_warps=cfg.wy_warps, num_stages=cfg.wy_stages,
-      max_registers=cfg.wy_max_registers,
       H=H, HV=HV, K=K, V=V, M=M, BT=BT, BK=_BK, BV=_BV, NK=nk, USE_G=use_g,
       FINISH_DK=finish_dk, USE_L2NORM=l2, ZERO_TAIL=cu_seqlens is not None,
       DOT_PRECISION=prec)

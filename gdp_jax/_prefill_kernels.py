@@ -137,8 +137,6 @@ class FwdConfig(NamedTuple):
   o_bv: int = 128
   o_warps: int = 4
   o_stages: int = 2
-  # Stage 6's register cap (ptxas maxnreg; 0: none; "triton" backend only, docs/api.md).
-  o_max_registers: int = 0
 
 
 class KernelCall(NamedTuple):
@@ -155,13 +153,11 @@ class KernelCall(NamedTuple):
   num_warps: int
   num_stages: int = 2
   aliases: dict[int, int] | None = None   # {position in args: output index}
-  max_registers: int = 0                  # ptxas's cap per thread, 0: none
 
   def run(self, backend: str) -> tuple[jax.Array, ...]:
     return _launch.call(self.kernel, *self.args, grid=self.grid, out_shape=self.out_shape,
                         backend=backend, input_output_aliases=self.aliases,
-                        num_warps=self.num_warps, num_stages=self.num_stages,
-                        max_registers=self.max_registers, **self.constexprs)
+                        num_warps=self.num_warps, num_stages=self.num_stages, **self.constexprs)
 
 
 def _h_block_v(cfg: FwdConfig, K: int) -> int:
@@ -498,8 +494,7 @@ def _output_launch(q, k, v_new, h, g, state_indices, S, cu, desc, *, M, scale, o
                       H_PER_CHUNK=M if h_offsets is not None else 1, USE_G=g is not None,
                       HAS_STATE_INDICES=state_indices is not None, USE_RNORM=rk is not None,
                       STORE_QN=store_qn, ZERO_TAIL=zero_tail,
-                      DOT_PRECISION=precision),
-      max_registers=config.o_max_registers)
+                      DOT_PRECISION=precision))
 
 
 def _output(q, k, v_new, h, g, state_indices, S, cu, desc, *, M, scale, out_dtype, backend,

@@ -100,64 +100,6 @@ def test_launch_rejects_alias_of_another_shape():
                  backend="interpret", input_output_aliases={0: 1}, D=x.shape[1], BD=16)
 
 
-@pytest.mark.parametrize("cap", [8, 256, -1])
-def test_launch_rejects_bad_register_cap(cap):
-  x, idx, cache = _case(jnp.float32)
-  with pytest.raises(ValueError, match=r"max_registers: expected 0 \(no cap\) or 16 to 255"):
-    _launch.call(_scaled_row_update_kernel, x, idx, cache, 1.0, 7, grid=(1,),
-                 out_shape=[jax.ShapeDtypeStruct(x.shape, x.dtype)], backend="interpret",
-                 max_registers=cap, D=10, BD=16)
-
-
-def test_register_cap_reaches_triton_options():
-  """jax-triton takes no register cap: the hook over its compile entry adds maxnreg to the
-  options Triton's backend parses, for the capped copy of a kernel and for no other."""
-  from gdp_jax import _launch_jax_triton as jt
-
-  class Backend:
-    def parse_options(self, opts):
-      return dict(opts)
-
-  def get_or_create(backend_init_func, platform, fn, **kwargs):  # jax-triton's signature, cut
-    return backend_init_func(0, 90).parse_options({"num_warps": kwargs["num_warps"]})
-
-  hooked = jt._register_cap_hook(get_or_create)
-  capped = jt.capped_kernel(_scaled_row_update_kernel, 168)
-  assert hooked(lambda d, c: Backend(), "CUDA", capped, num_warps=4) == {
-      "num_warps": 4, "maxnreg": 168}
-  assert hooked(lambda d, c: Backend(), "CUDA", _scaled_row_update_kernel, num_warps=4) == {
-      "num_warps": 4}
-  # One copy per (kernel, cap), and the kernel itself untouched.
-  assert capped is jt.capped_kernel(_scaled_row_update_kernel, 168)
-  assert capped is not _scaled_row_update_kernel
-  assert not hasattr(_scaled_row_update_kernel, "gdp_max_registers")
-
-
-@pytest.mark.gpu
-def test_register_cap_gpu():
-  """A capped launch compiles a kernel of its own (one more in jax-triton's cache) and gives
-  the uncapped launch's bits: a cap moves registers, not arithmetic."""
-  from gdp_jax import _launch_jax_triton as jt
-  x, idx, cache = _case(jnp.bfloat16)
-
-  def run(cap):
-    N, D = x.shape
-    return _launch.call(
-        _scaled_row_update_kernel, x, idx, cache, 0.5, cache.shape[0], grid=(N,),
-        out_shape=[jax.ShapeDtypeStruct(x.shape, x.dtype),
-                   jax.ShapeDtypeStruct(cache.shape, cache.dtype)],
-        backend="triton", input_output_aliases={2: 1}, max_registers=cap, D=D,
-        BD=triton.next_power_of_2(D))
-
-  plain = run(0)
-  before = jt.compiled_kernels()
-  capped = run(32)
-  assert jt.compiled_kernels() == before + 1
-  for a, b in zip(plain, capped):
-    assert bits_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
-  _check(x, idx, cache, *capped, 0.5)
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("backend", ["triton", "xla_triton"])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["fp32", "bf16"])

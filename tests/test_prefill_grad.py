@@ -374,7 +374,7 @@ def test_scan_block_widths_agree():
 # config: one masked K block of 128 at K = 100 (the default has two of 64), one masked V step of
 # 128 at V = 80 (the default has two of 64).
 O_CASE = Case(T=43, H=2, HV=4, K=100, V=80, M=3, l2norm=True)
-O_VARIANTS = [dict(o_bk=128), dict(o_bv=128), dict(o_bk=32)]
+O_VARIANTS = [dict(o_bk=128), dict(o_bv=128)]
 
 
 def test_chunk_o_bwd_variants():
@@ -415,29 +415,6 @@ def test_chunk_o_bwd_variants_gpu(c, variant):
   a, b = f(xk), f(xk)
   for n in x:
     assert bits_equal(a[n], b[n]), f"d{n} differs between two identical runs ({variant})"
-
-
-# Register caps (docs/api.md, "Register caps") at the tilings they were chosen for: chunk_o_bwd at
-# o_bk=32 (181 registers uncapped, sm_90) at 168, chunk_wy_bwd at 128, the forward's chunk_o at
-# o_bv=32 at 168.
-CAPPED = (_prefill_bwd.BwdConfig(o_bk=32, o_max_registers=168, wy_max_registers=128),
-          gdp_jax.FwdConfig(o_bv=32, o_max_registers=168))
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("c", O_GPU_CASES[:1] + O_GPU_CASES[2:], ids=lambda c: c.id)
-def test_register_caps_gpu(c):
-  """Capped kernels against the reference, and bitwise the uncapped kernels' gradients and
-  outputs at the same tiling: a cap moves values between registers and local memory, never the
-  arithmetic."""
-  check_grads(c, "triton", configs=[CAPPED])
-  uncapped = (CAPPED[0]._replace(o_max_registers=0, wy_max_registers=0),
-              CAPPED[1]._replace(o_max_registers=0))
-  x, cts, kw = make_inputs(c, 0)
-  plain = grads(_cast(c, x), cts, kw, "triton", uncapped, with_outputs=True)
-  cap = grads(_cast(c, x), cts, kw, "triton", CAPPED, with_outputs=True)
-  for a, b in zip(jax.tree.leaves(plain), jax.tree.leaves(cap)):
-    assert bits_equal(a, b), "a register cap changed a gradient or an output"
 
 
 # K != V, so that a swap of Pi's and E's columns shows; K = 48 leaves Pi's second column block
