@@ -118,11 +118,14 @@ class BwdConfig(NamedTuple):
   # rows per value head for qk_bwd (0: the qk_bwd path, kept to time the two against each other).
   finish_dk: int = 1
   # The dtype of the partial gradients one kernel hands the next: chunk_o_bwd's dq~ and dk per
-  # value head, and chunk_wy_bwd's dk where qk_bwd finishes it. "input" stores them in the input
-  # dtype: each is written once and read once, so at bf16 B=4 T=2048 H=16 K=V=128 M=2 that is
-  # 201 MB less HBM traffic than float32. The cost: one more rounding of each partial sum to
-  # bf16 (the kernels still add in float32). Float32 inputs are unaffected.
-  partials: str = "float32"   # "float32" | "input"
+  # value head, and chunk_wy_bwd's dk where qk_bwd finishes it. "input" (the default) stores
+  # them in the input dtype, "float32" in float32; the kernels add in float32 either way. At
+  # bf16 B=4 T=2048 H=16 K=V=128 M=2 "input" moves 201 MB less; H100, 2026-12-07, fwd+bwd per
+  # step against "float32": 1.392 / 1.440 ms, 2.086 / 2.251 at M=3, 1.756 / 1.816 at B=1
+  # T=8192 (benchmarks/train_partials_h100.json). The cost, one more bf16 rounding of each
+  # partial sum: dq and dk move by 2.8e-3 relative, inside the bf16 tolerances (interpreter,
+  # against the float64 reference: 4.3e-3 -> 4.6e-3). Float32 inputs are unaffected.
+  partials: str = "input"   # "input" | "float32"
   # The dots on float32 inputs, as FwdConfig.f32_precision ("tf32x3" or "ieee"); the forward
   # rule's kernels take _Static.fwd_config's.
   f32_precision: str = "tf32x3"

@@ -184,10 +184,11 @@ def test_prefill_grads(c):
 # the default is "tf32x3", docs/algorithm.md §4.5), within the same float32 tolerances.
 IEEE = (_prefill_bwd.BwdConfig(f32_precision="ieee"), pk.FwdConfig(f32_precision="ieee"))
 # The 16-bit cases again with the per-value-head dq and dk handed between the backward kernels
-# in bf16 (BwdConfig.partials; below, test_partials_in_input_dtype), within the same tolerances.
-PARTIALS = _prefill_bwd.BwdConfig(partials="input")
+# in float32 (BwdConfig.partials; the default hands them in bf16; below,
+# test_partials_in_input_dtype), within the same tolerances.
+PARTIALS_F32 = _prefill_bwd.BwdConfig(partials="float32")
 GPU_CONFIGS = float32_again(GPU_CASES, IEEE, "ieee") + [
-    pytest.param(c, PARTIALS, id=f"{c.id}-partials_input") for c in GPU_CASES
+    pytest.param(c, PARTIALS_F32, id=f"{c.id}-partials_float32") for c in GPU_CASES
     if c.dtype == "bfloat16"]
 
 
@@ -281,9 +282,9 @@ def check_finish_paths(c, backend):
     assert e < tol, f"d{n}: ratio {e:.3e} between the paths"
 
 
-# BwdConfig.partials="input": chunk_o_bwd's dq~ and dk, and chunk_wy_bwd's dk where qk_bwd sums
-# it, go between the kernels in bf16. HV > H (qk_bwd sums dk) and HV == H (chunk_wy_bwd finishes
-# dk; with finish_dk=0 qk_bwd does), packed with an empty sequence.
+# BwdConfig.partials="input", the default: chunk_o_bwd's dq~ and dk, and chunk_wy_bwd's dk where
+# qk_bwd sums it, go between the kernels in bf16. HV > H (qk_bwd sums dk) and HV == H
+# (chunk_wy_bwd finishes dk; with finish_dk=0 qk_bwd does), packed with an empty sequence.
 PARTIALS_CASES = [
     Case(T=90, H=1, HV=2, K=32, V=32, M=2, dtype="bfloat16", varlen=(30, 0, 50), l2norm=True),
     Case(T=90, H=2, HV=2, K=32, V=32, M=3, dtype="bfloat16", varlen=(30, 0, 50), l2norm=True),
@@ -296,13 +297,14 @@ def test_partials_in_input_dtype(c):
   roundings (measured 2.5e-3 to 3.4e-3), every other gradient (none reads the partials) bit for
   bit in the interpreter (compiled, a store's dtype may change how a kernel lays out its
   reductions)."""
-  configs = [PARTIALS] + ([PARTIALS._replace(finish_dk=0)] if c.H == c.HV else [])
-  default, *outs = check_grads(c, KERNEL_BACKEND, configs=[_prefill_bwd.BwdConfig()] + configs)
+  partials = _prefill_bwd.BwdConfig(partials="input")
+  configs = [partials] + ([partials._replace(finish_dk=0)] if c.H == c.HV else [])
+  ref32, *outs = check_grads(c, KERNEL_BACKEND, configs=[PARTIALS_F32] + configs)
   for cfg, out in zip(configs, outs):
     for n in out:
       if n not in ("q", "k") and KERNEL_BACKEND == "interpret":
-        assert bits_equal(default[n], out[n]), f"d{n} under {cfg} differs"
-      e = err_ratio(np.asarray(default[n], f64), np.asarray(out[n], f64))
+        assert bits_equal(ref32[n], out[n]), f"d{n} under {cfg} differs"
+      e = err_ratio(np.asarray(ref32[n], f64), np.asarray(out[n], f64))
       assert e < (1e-2 if n in ("q", "k") else 1e-3), f"d{n} under {cfg}: ratio {e:.3e}"
 
 
@@ -323,7 +325,7 @@ def test_partials_reach_the_launches(monkeypatch):
     jax.eval_shape(lambda x: grads(x, cts, kw, KERNEL_BACKEND, config), _cast(c, x))
     return seen
 
-  for config, dt in ((None, "float32"), (PARTIALS, "bfloat16")):
+  for config, dt in ((None, "bfloat16"), (PARTIALS_F32, "float32")):
     assert dtypes(config) == [("chunk_o_bwd", dt, dt), ("chunk_wy_bwd", dt), ("qk_bwd", dt),
                               ("qk_bwd", dt)], config
 
