@@ -349,7 +349,7 @@ def _backward(q, k, v, g, beta, initial_state, cu_seqlens, res, do, dht, static)
       DOT_PRECISION=prec)
 
   # qk_bwd: the group sums over value heads, the L2 norm's backward, the zero rows past
-  # cu_seqlens[N] and the cast, in one pass over each float32 buffer.
+  # cu_seqlens[N] and the cast, in one pass over each per-value-head buffer.
   dq = _qk_bwd(dq_v, qp if l2 else None, cu, N, 1, H, q.dtype, backend, cfg)
   dk = dk_x if finish_dk else _qk_bwd(dk_x, kp if l2 else None, cu, N, M, H, k.dtype, backend,
                                       cfg)
