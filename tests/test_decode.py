@@ -20,6 +20,11 @@ from gdp_jax import _configs, reference
 from helpers import RTOL, assert_close, bits_equal, state_arguments
 
 f64 = jnp.float64
+# The float64 decode reference, compiled once per shape: called eagerly, its lax.scan compiled
+# anew on every call (the rollback checks call it dozens of times at a few shapes; those
+# compiles were most of their time).
+_ref_decode = jax.jit(reference.gated_delta_product_decode,
+                      static_argnames=("num_householder", "scale", "use_qk_l2norm_in_kernel"))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -204,7 +209,7 @@ def _two_steps(N, D, M, H, HV, K, V, S, dtype, seed):
 def check_gdp_decode(N, D, M, H, HV, K, V, S, dtype, backend):
   a = gdp_inputs(N, D, M, H, HV, K, V, S, dtype, seed=D * 10 + M)
   o, state, inter = gdp_jax.gated_delta_product_decode(**a, num_householder=M, backend=backend)
-  o_ref, state_ref, inter_ref = reference.gated_delta_product_decode(
+  o_ref, state_ref, inter_ref = _ref_decode(
       **_upcast(a), num_householder=M)
   slots = np.asarray(a["state_indices"])
   live = _live_slots(slots, S)
@@ -257,7 +262,7 @@ def _start_states(a, D, M, counts):
   slots = np.asarray(a["state_indices"])
   for n in range(1, D + 1):
     rows = lambda x, per: None if x is None else x[:, :n * per]
-    _, after = reference.gated_delta_product_decode(
+    _, after = _ref_decode(
         rows(up["q"], 1), rows(up["k"], M), rows(up["v"], M), rows(up["g"], 1),
         rows(up["beta"], M), num_householder=M, state=up["state"],
         state_indices=a["state_indices"])
@@ -287,7 +292,7 @@ def check_speculative(N, D, M, H, HV, K, V, S, dtype, backend, seed=0):
     o2, state2, inter2 = step(b, jnp.copy(state1), jnp.copy(inter1), jnp.asarray(counts, jnp.int32))
     # Count 0 starts from the cache, which step one left after all D tokens.
     start = _start_states(a, D, M, np.where(counts == 0, D, counts))
-    o_ref, _, inter_ref = reference.gated_delta_product_decode(
+    o_ref, _, inter_ref = _ref_decode(
         **_upcast(b), num_householder=M, state=start, state_indices=a["state_indices"],
         intermediate_states=jnp.full((S, D, HV, K, V), np.nan, f64))
     assert np.all(np.asarray(o2, np.float32)[slots < 0] == 0)
@@ -390,8 +395,8 @@ def check_replay(N, D, M, H, HV, K, V, S, dtype, backend, seed=0):
   ring0 = empty_ring(S, D, M, H, HV, K, V, a["k"].dtype)
   o1, state1, ring1 = step(xa, jnp.copy(cache), tuple(map(jnp.copy, ring0)),
                            jnp.asarray(counts_of(0) * 0, jnp.int32))
-  o_ref = reference.gated_delta_product_decode(**_upcast(xa), num_householder=M,
-                                               state=_upcast(cache), state_indices=slots)[0]
+  o_ref = _ref_decode(**_upcast(xa), num_householder=M, state=_upcast(cache),
+                      state_indices=slots)[0]
   assert_close("o (first step)", o_ref, o1, tol)
   assert bits_equal(state1, cache), "count 0 wrote the cache"
   check_replay_ring(ring1, ring0, xa, slots, live)
@@ -399,8 +404,7 @@ def check_replay(N, D, M, H, HV, K, V, S, dtype, backend, seed=0):
     counts = jnp.asarray(counts_of(shift), jnp.int32)
     o2, state2, ring2 = step(b, jnp.copy(state1), tuple(map(jnp.copy, ring1)), counts)
     start = _start_states(a, D, M, np.asarray(counts))
-    o_ref = reference.gated_delta_product_decode(**_upcast(b), num_householder=M, state=start,
-                                                 state_indices=slots)[0]
+    o_ref = _ref_decode(**_upcast(b), num_householder=M, state=start, state_indices=slots)[0]
     assert np.all(np.asarray(o2, np.float32)[slots < 0] == 0)
     assert_close(f"o (shift {shift})", o_ref, o2, tol)
     assert_close(f"checkpoints (shift {shift})", np.asarray(start)[live],
@@ -619,7 +623,7 @@ def test_config_argument():
   kw = dict(num_householder=2, backend=KERNEL_BACKEND)
   o, _, _ = gdp_jax.gated_delta_product_decode(
       **a, **kw, config=_configs.DecodeConfig(BV=8, num_warps=1))
-  o_ref = reference.gated_delta_product_decode(**_upcast(a), num_householder=2)[0]
+  o_ref = _ref_decode(**_upcast(a), num_householder=2)[0]
   assert_close("o", o_ref, o, RTOL["float32"])
   with pytest.raises(ValueError, match="config: expected"):
     gdp_jax.gated_delta_product_decode(**a, **kw, config=dict(BV=8, num_warps=1))
@@ -812,7 +816,7 @@ def test_cache_past_int32_offsets_gpu():
   step = jax.jit(lambda a, c: gdp_jax.gated_delta_product_decode(
       **a, num_householder=M, state=c, state_indices=slots, backend="triton"), donate_argnums=1)
   o, cache = step(a, cache)
-  o_ref, small_ref = reference.gated_delta_product_decode(
+  o_ref, small_ref = _ref_decode(
       **_upcast(a), num_householder=M, state=before.astype(f64),
       state_indices=jnp.arange(N, dtype=jnp.int32))
   assert_close("o", o_ref, o, 1e-2)

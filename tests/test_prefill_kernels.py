@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 import gdp_jax
@@ -43,7 +43,7 @@ CASES = [
     Case(T=1, HV=1, M=1),
     Case(B=2, T=63, init=True, chunk_states=True),
     Case(T=65, HV=2, V=32, M=3, chunk_states=True),                  # L*M = 195 straddles chunks
-    Case(T=130, H=2, HV=4, K=32, V=32, M=3, init=True),
+    Case(T=70, H=2, HV=4, K=32, V=32, M=3, init=True),                # 210 rows: 4 chunks
     Case(T=70, HV=1, K=100, V=16, M=2, l2norm=True),                  # feature masking
     Case(T=40, HV=1, K=256, V=16, M=2, init=True),                    # four state tiles
     Case(B=2, T=65, HV=1, use_g=False, use_beta=False, init=True),
@@ -375,7 +375,7 @@ def test_pieces():
 @pytest.mark.slow
 # Derandomized: the same draws on every run, so CI's shapes and time do not change per run.
 @settings(max_examples=6, deadline=None, derandomize=True, database=None,
-          suppress_health_check=[HealthCheck.too_slow])
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
 @given(data=st.data())
 def test_prefill_random_shapes(data):
   """Random shapes and packings beyond the table: lengths around the chunk size (empty ones
@@ -405,6 +405,10 @@ def test_prefill_random_shapes(data):
            init=not cache and d(st.booleans()), final=d(st.booleans()), cache=cache,
            varlen=varlen, chunk_states=d(st.booleans()),
            states_dtype=d(st.sampled_from(["", "float32", "bfloat16"])))
+  # The interpreter's time goes by (expanded chunk, value head) program, about 0.75 s each (the
+  # solve's column loop): a draw of more than 12 is drawn again (four packed sequences at M = 3
+  # over six value heads were 54, 90 s). Every length, ratio, M and flag can still be drawn.
+  assume(sum(-(-n * M // BT) for n in (varlen or (c.T,) * B)) * c.HV <= 12)
   check_prefill(c, KERNEL_BACKEND, seed=d(st.integers(0, 2**16)))
 
 
@@ -591,7 +595,7 @@ def test_resume_from_chunk_state():
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_chunk_states_dtype_does_not_change_o(dtype):
-  c = Case(B=1, T=130, HV=2, K=32, V=16, M=2, dtype=dtype, init=True, chunk_states=True)
+  c = Case(B=1, T=70, HV=2, K=32, V=16, M=2, dtype=dtype, init=True, chunk_states=True)
   a, kw = prefill_inputs(c, seed=4)
   kw.pop("chunk_states_dtype")
   outs = {}
