@@ -20,11 +20,16 @@ from gdp_jax import _configs, reference
 from helpers import RTOL, assert_close, bits_equal, state_arguments
 
 f64 = jnp.float64
-# The float64 decode reference, compiled once per shape: called eagerly, its lax.scan compiled
+# The float64 decode references, compiled once per shape: called eagerly, a lax.scan compiled
 # anew on every call (the rollback checks call it dozens of times at a few shapes; those
 # compiles were most of their time).
 _ref_decode = jax.jit(reference.gated_delta_product_decode,
                       static_argnames=("num_householder", "scale", "use_qk_l2norm_in_kernel"))
+_ref_recurrent = jax.jit(reference.fused_recurrent_gated_delta_rule,
+                         static_argnames=("scale", "output_final_state", "use_qk_l2norm_in_kernel",
+                                          "steps_per_token"))
+_ref_commit = jax.jit(reference.commit_replay,
+                      static_argnames=("steps_per_token", "use_qk_l2norm_in_kernel"))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -121,7 +126,7 @@ def _upcast(tree):
 def check_fused_recurrent(c: Case, backend, seed=0):
   a, kw = make_inputs(c, seed)
   out = gdp_jax.fused_recurrent_gated_delta_rule(**a, **kw, backend=backend)
-  ref = reference.fused_recurrent_gated_delta_rule(**_upcast(a), **_upcast(kw))
+  ref = _ref_recurrent(**_upcast(a), **_upcast(kw))
   tol = RTOL[c.dtype]
   o, o_ref = out[0], ref[0]
   assert o.dtype == a["v"].dtype and o.shape == (c.B, c.T, c.HV, c.V)
@@ -491,7 +496,7 @@ def check_fused_recurrent_replay(spt, beta, l2norm, dtype, V, T=4):
             use_qk_l2norm_in_kernel=l2norm)
   o, state, new_ring = gdp_jax.fused_recurrent_gated_delta_rule(
       **x, state=cache, replay_ring=ring, **kw, backend=KERNEL_BACKEND)
-  o_ref, state_ref, ring_ref = reference.fused_recurrent_gated_delta_rule(
+  o_ref, state_ref, ring_ref = _ref_recurrent(
       **_upcast(x), state=_upcast(cache), replay_ring=_upcast(ring), **kw)
   assert np.all(np.asarray(o, np.float32)[1] == 0)
   assert_close("o", o_ref, o, RTOL[dtype])
@@ -500,8 +505,8 @@ def check_fused_recurrent_replay(spt, beta, l2norm, dtype, V, T=4):
   check_replay_ring(new_ring, ring, x, np.asarray(slots), live)
   committed = gdp_jax.commit_replay(state, new_ring, slots, counts, steps_per_token=spt,
                                     use_qk_l2norm_in_kernel=l2norm, backend=KERNEL_BACKEND)
-  want = reference.commit_replay(_upcast(state), _upcast(new_ring), slots, counts,
-                                 steps_per_token=spt, use_qk_l2norm_in_kernel=l2norm)
+  want = _ref_commit(_upcast(state), _upcast(new_ring), slots, counts,
+                     steps_per_token=spt, use_qk_l2norm_in_kernel=l2norm)
   assert_close("committed", np.asarray(want)[live], np.asarray(committed)[live], 1e-5)
   assert bits_equal(np.asarray(committed)[~live], np.asarray(cache)[~live])
 

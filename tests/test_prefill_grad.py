@@ -128,8 +128,9 @@ def grads(x, cts, kw, backend, config=None, with_outputs=False):
   if config is not None:
     bwd, fwd = (config, None) if isinstance(config, gdp_jax.BwdConfig) else config
     extra = dict(config=fwd, bwd_config=bwd)
-  return jax.grad(_loss(gdp_jax.chunk_gated_delta_product, cts, kw, with_outputs=with_outputs,
-                        backend=backend, **extra), has_aux=with_outputs)(x)
+  return jax.jit(jax.grad(_loss(gdp_jax.chunk_gated_delta_product, cts, kw,
+                                with_outputs=with_outputs, backend=backend, **extra),
+                          has_aux=with_outputs))(x)
 
 
 def check_grads(c: PrefillCase, backend, seed=0, configs=(None,)):
@@ -138,8 +139,8 @@ def check_grads(c: PrefillCase, backend, seed=0, configs=(None,)):
   x, cts, kw = make_inputs(c, seed)
   xk = _cast(c, x)
   up = {n: a.astype(f64) for n, a in xk.items()}   # the same rounded inputs, in float64
-  ref = jax.grad(_loss(reference.chunk_gated_delta_product, cts, kw, with_outputs=True),
-                 has_aux=True)(up)
+  ref = jax.jit(jax.grad(_loss(reference.chunk_gated_delta_product, cts, kw, with_outputs=True),
+                         has_aux=True))(up)
   return [_check_against(c, x, cts, kw, grads(xk, cts, kw, backend, cfg, with_outputs=True),
                          ref) for cfg in configs]
 

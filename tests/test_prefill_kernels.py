@@ -31,6 +31,12 @@ from helpers import RTOL, PrefillCase as Case, assert_close, bits_equal
 from helpers import err_ratio, padding, prefill_inputs
 from helpers import float32_again, spy_launches, upcast
 
+# The float64 scan reference as one compiled program per shape and options (called eagerly, its
+# preparation ran op by op: an XLA compilation per op and shape).
+_REF_STATIC = ("num_householder", "scale", "output_final_state", "use_qk_l2norm_in_kernel",
+               "return_chunk_states", "chunk_states_dtype")
+ref_prefill = jax.jit(reference.chunk_gated_delta_product, static_argnames=_REF_STATIC)
+
 # exp2 above the causal diagonal overflows to inf by design; the kernels select it away (the
 # interpreter's numpy still reports the overflow).
 pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered in exp2:RuntimeWarning")
@@ -95,7 +101,7 @@ def check_prefill(c: Case, backend, seed=0, config=None):
   if c.chunk_states and not c.states_dtype:
     # The reference's default follows its (upcast) inputs; ask it for the kernels' default.
     ref_kw["chunk_states_dtype"] = out[2].dtype
-  ref = reference.chunk_gated_delta_product(**upcast(a), **ref_kw)
+  ref = ref_prefill(**upcast(a), **ref_kw)
   N = c.N
   tol = RTOL[c.dtype]
   state_tol = 1e-5 if c.dtype == "float32" else 1e-2
@@ -327,7 +333,7 @@ def test_split_scan_gpu(dtype):
            decay=0.0005)
   a, kw = prefill_inputs(c, seed=13)
   a["beta"] = (a["beta"].astype(jnp.float32) * 0.05).astype(a["beta"].dtype)
-  ref = reference.chunk_gated_delta_product(**upcast(a), **upcast(kw))
+  ref = ref_prefill(**upcast(a), **upcast(kw))
   errs = {}
   for L, bv in ((0, 16), (16, 16), (64, 16), (16, 0)):
     out = gdp_jax.chunk_gated_delta_product(
@@ -673,7 +679,7 @@ def test_jit_traced_cu_seqlens_compiles_once():
     with jax.transfer_guard_device_to_host("disallow"):
       out = run(a, cu, kw["state"], kw["state_indices"])
       jax.block_until_ready(out)
-    ref = reference.chunk_gated_delta_product(
+    ref = ref_prefill(
         **upcast(a), num_householder=c.M, cu_seqlens=cu, state=kw["state"].astype(f64),
         state_indices=kw["state_indices"], return_chunk_states=True,
         chunk_states_dtype=jnp.float32)
@@ -757,7 +763,7 @@ def test_cache_past_int32_offsets_gpu():
       **a, num_householder=c.M, state=cache, state_indices=slots, use_qk_l2norm_in_kernel=True,
       backend="triton"), donate_argnums=1)(a, cache)
   up = lambda x: x.astype(jnp.float64) if x is not None and jnp.issubdtype(x.dtype, jnp.floating) else x
-  o_ref, final_ref = reference.chunk_gated_delta_product(
+  o_ref, final_ref = ref_prefill(
       **{n: up(x) for n, x in a.items()}, num_householder=c.M, initial_state=up(before),
       output_final_state=True, use_qk_l2norm_in_kernel=True)
   assert_close("o", o_ref, o, 1e-2)
