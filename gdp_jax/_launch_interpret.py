@@ -120,8 +120,8 @@ def _skip_repatching_in_device_calls():
   kernel: `inspect.getmembers` over tl, tl.tensor and tl.math each time, which is a no-op once
   they are patched and was 16% of the interpreter's time in a gradient test. Once the modules
   the helper sees are patched (their `load` no longer a builtin) the helper runs as rewritten,
-  errors wrapped as the interpreter wraps them. The dtype lookup the interpreter builds a dict for on every call
-  (another 7%) is memoised.
+  errors wrapped as the interpreter wraps them. The dtype lookup the interpreter builds a dict
+  for on every call (another 7%) is memoised.
   """
   import triton.language as tl
   from triton.runtime import interpreter as ti
@@ -131,9 +131,11 @@ def _skip_repatching_in_device_calls():
 
   def __call__(self, *args, **kwargs):
     # The modules the interpreter would patch for this function (tl or tl.core: triton's own
-    # helpers such as tl.zeros see tl.core), each still holding builtins or already patched.
-    langs = [v for v in self.fn.__globals__.values() if v is tl or v is tl.core]
-    if any(tl.core.is_builtin(m.load) for m in langs):
+    # helpers such as tl.zeros see tl.core), each still holding builtins or already patched;
+    # found once per function, as a module's globals keep their modules.
+    if not hasattr(self, "_gdp_langs"):
+      self._gdp_langs = [v for v in self.fn.__globals__.values() if v is tl or v is tl.core]
+    if any(tl.core.is_builtin(m.load) for m in self._gdp_langs):
       return call(self, *args, **kwargs)
     fn = self.rewrite()
     try:

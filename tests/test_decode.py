@@ -214,8 +214,7 @@ def _two_steps(N, D, M, H, HV, K, V, S, dtype, seed):
 def check_gdp_decode(N, D, M, H, HV, K, V, S, dtype, backend):
   a = gdp_inputs(N, D, M, H, HV, K, V, S, dtype, seed=D * 10 + M)
   o, state, inter = gdp_jax.gated_delta_product_decode(**a, num_householder=M, backend=backend)
-  o_ref, state_ref, inter_ref = _ref_decode(
-      **_upcast(a), num_householder=M)
+  o_ref, state_ref, inter_ref = _ref_decode(**_upcast(a), num_householder=M)
   slots = np.asarray(a["state_indices"])
   live = _live_slots(slots, S)
   tol = RTOL[dtype]

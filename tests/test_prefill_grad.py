@@ -298,14 +298,13 @@ def test_partials_in_input_dtype(c):
   roundings (measured 2.5e-3 to 3.4e-3), every other gradient (none reads the partials) bit for
   bit in the interpreter (compiled, a store's dtype may change how a kernel lays out its
   reductions)."""
-  configs = [_prefill_bwd.BwdConfig(partials="input")]
-  ref32, *outs = check_grads(c, KERNEL_BACKEND, configs=[PARTIALS_F32] + configs)
-  for cfg, out in zip(configs, outs):
-    for n in out:
-      if n not in ("q", "k") and KERNEL_BACKEND == "interpret":
-        assert bits_equal(ref32[n], out[n]), f"d{n} under {cfg} differs"
-      e = err_ratio(np.asarray(ref32[n], f64), np.asarray(out[n], f64))
-      assert e < (1e-2 if n in ("q", "k") else 1e-3), f"d{n} under {cfg}: ratio {e:.3e}"
+  ref32, out = check_grads(c, KERNEL_BACKEND,
+                           configs=[PARTIALS_F32, _prefill_bwd.BwdConfig(partials="input")])
+  for n in out:
+    if n not in ("q", "k") and KERNEL_BACKEND == "interpret":
+      assert bits_equal(ref32[n], out[n]), f"d{n} with bf16 partials differs"
+    e = err_ratio(np.asarray(ref32[n], f64), np.asarray(out[n], f64))
+    assert e < (1e-2 if n in ("q", "k") else 1e-3), f"d{n} with bf16 partials: ratio {e:.3e}"
 
 
 def test_partials_reach_the_launches(monkeypatch):
@@ -433,12 +432,11 @@ def test_split_state_pass(c):
   """The reverse state pass in 3 pieces per sequence (two summary maps chained) gives the
   unsplit pass's gradients to float32 rounding (docs/algorithm.md §13.3), and each passes the
   reference check."""
-  one, *split = check_grads(c, KERNEL_BACKEND,
-                            configs=[_prefill_bwd.BwdConfig(h_split=p) for p in (1, 3)])
-  for P, out in zip((3,), split):
-    for n in out:
-      e = err_ratio(one[n], out[n])
-      assert e < 1e-5, f"d{n}, {P} pieces: ratio {e:.3e} to the unsplit pass"
+  one, split = check_grads(c, KERNEL_BACKEND,
+                           configs=[_prefill_bwd.BwdConfig(h_split=p) for p in (1, 3)])
+  for n in split:
+    e = err_ratio(one[n], split[n])
+    assert e < 1e-5, f"d{n}, 3 pieces: ratio {e:.3e} to the unsplit pass"
 
 
 def test_split_rule():

@@ -33,9 +33,10 @@ from helpers import float32_again, spy_launches, upcast
 
 # The float64 scan reference as one compiled program per shape and options (called eagerly, its
 # preparation ran op by op: an XLA compilation per op and shape).
-_REF_STATIC = ("num_householder", "scale", "output_final_state", "use_qk_l2norm_in_kernel",
-               "return_chunk_states", "chunk_states_dtype")
-ref_prefill = jax.jit(reference.chunk_gated_delta_product, static_argnames=_REF_STATIC)
+ref_prefill = jax.jit(reference.chunk_gated_delta_product,
+                      static_argnames=("num_householder", "scale", "output_final_state",
+                                       "use_qk_l2norm_in_kernel", "return_chunk_states",
+                                       "chunk_states_dtype"))
 
 # exp2 above the causal diagonal overflows to inf by design; the kernels select it away (the
 # interpreter's numpy still reports the overflow).
