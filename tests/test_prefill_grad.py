@@ -66,6 +66,11 @@ GPU_CASES = [
     Case(B=1, T=1200, H=4, HV=4, K=128, V=128, M=3, dtype="float32", l2norm=True,
          varlen=(700, 0, 63, 1, 300, 130)),
     Case(B=2, T=500, H=2, HV=2, K=256, V=512, M=2, dtype="bfloat16", l2norm=True),
+    # float16 (dh, X, V' and the partials then float16): dq and dk finished in place (HV == H)
+    # and by qk_bwd (HV > H).
+    Case(B=2, T=600, H=4, HV=4, K=128, V=128, M=2, dtype="float16", l2norm=True),
+    Case(B=1, T=1200, H=4, HV=8, K=128, V=128, M=3, dtype="float16",
+         varlen=(700, 0, 63, 1, 300, 130)),
 ]
 
 
