@@ -403,12 +403,11 @@ _CONFIG_FIELDS = {
         h_split=_int_rule("an int >= 0 (0: from the number of programs, 1: never split, n > 1: "
                           "n pieces per sequence)", lambda x: x >= 0),
         h_split_min_programs=_COUNT, h_split_programs=_POSITIVE, h_split_max=_POSITIVE,
-        o_bk=_TILE, o_bv=_TILE, o_warps=_WARPS, o_stages=_STAGES, o_bk_f32=_TILE,
-        o_warps_f32=_WARPS, wy_warps=_WARPS, wy_stages=_STAGES,
+        o_bk=_TILE, o_bv=_TILE, o_warps=_WARPS, o_stages=_STAGES, wy_warps=_WARPS,
+        wy_stages=_STAGES,
         # qk_bwd's rows per program, qk_block // BK, must be a power of two too.
         qk_block=_pow2(16), qk_warps=_WARPS,
-        finish_dk=_BIT, finish_dq=_BIT, partials=_choice("float32", "input"),
-        f32_precision=_F32),
+        finish_dk=_BIT, partials=_choice("float32", "input"), f32_precision=_F32),
 }
 
 

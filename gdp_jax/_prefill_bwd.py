@@ -95,22 +95,14 @@ class BwdConfig(NamedTuple):
   h_split_min_programs: int = 66
   h_split_programs: int = 256
   h_split_max: int = 8
-  # chunk_o_bwd: o_bk columns of K per program at o_warps (o_bk_f32, o_warps_f32 for float32
-  # inputs), the V loop in steps of o_bv. o_bv=128 lost (439.2 us against 413.8, 2026-12-01);
-  # one program per (chunk, value head) walking every K block after forming dP once lost too
-  # (533.6 us at 4 warps, 577.6 at 8) and is gone (docs/performance.md, Training). 128 columns
-  # at 8 warps, which first tied 64 at 4 (410.5 against 413.8), won on an H100 on 2026-12-07
-  # (fwd+bwd, gradients equal but for dG's float32 rounding): 360.1 against 370.5 us at B=4
-  # T=2048 H=16 K=V=128 M=2, 365.5 / 370.5 at B=1 T=8192; and with HV == H a program holding
-  # whole K rows finishes dq (finish_dq), which drops qk_bwd's pass for dq. float32 inputs keep
-  # 64 columns at 4 warps: under "tf32x3" the 128-column tiles need 245760 B of shared memory
-  # (sm_90), over the 232448 a block may have.
-  o_bk: int = 128
+  # chunk_o_bwd: o_bk columns of K per program, the V loop in steps of o_bv. At row 0 o_bk=128
+  # with 8 warps tied (410.5 us against 413.8) and o_bv=128 lost (439.2); one program per
+  # (chunk, value head) walking every K block after forming dP once lost too (533.6 us at 4
+  # warps, 577.6 at 8) and is gone (docs/performance.md, Training).
+  o_bk: int = 64
   o_bv: int = 64
-  o_warps: int = 8
+  o_warps: int = 4
   o_stages: int = 2
-  o_bk_f32: int = 64
-  o_warps_f32: int = 4
   # chunk_dv_local's and chunk_wy_bwd's. sm_90, K = V = 128 bf16: 72 and 150 registers, 36 and
   # 48 KB of shared memory at 3 stages (24 and 40 KB at 2), three programs per SM either way.
   # H100, 2026-12-07, same gradient bits: 3 stages took 69.0 / 282.1 us against 75.5 / 289.6 at
@@ -125,8 +117,6 @@ class BwdConfig(NamedTuple):
   # With HV == H, chunk_wy_bwd finishes dk (norm backward, cast, zero tail) instead of writing
   # rows per value head for qk_bwd (0: the qk_bwd path, kept to time the two against each other).
   finish_dk: int = 1
-  # With HV == H and K <= o_bk (one K block), chunk_o_bwd finishes dq the same way (0: qk_bwd).
-  finish_dq: int = 1
   # The dtype of the partial gradients one kernel hands the next: chunk_o_bwd's dq~ and dk per
   # value head, and chunk_wy_bwd's dk where qk_bwd finishes it. "input" (the default) stores
   # them in the input dtype, "float32" in float32; the kernels add in float32 either way. At
@@ -325,31 +315,24 @@ def _backward(q, k, v, g, beta, initial_state, cu_seqlens, res, do, dht, static)
                  jax.ShapeDtypeStruct((1,), f32)],
       USE_DHT=ds_out is not None, USE_DH0=initial_state is not None, SUMMARY=False, **h_kw)
 
-  # Without value heads to sum (HV == H), chunk_o_bwd finishes dq in q's dtype when one program
-  # holds whole K rows, and chunk_wy_bwd finishes dk; otherwise they leave rows per value head
-  # (in `part`) for qk_bwd. With cu_seqlens they write the zero rows past cu_seqlens[N] too
-  # (block i_d by descriptor i_d: enough descriptors).
-  l2 = static.use_qk_l2norm_in_kernel
-  assert desc_x.shape[0] * BT >= R, (desc_x.shape, R)
-  o_bk, o_warps = (cfg.o_bk, cfg.o_warps) if dtype != jnp.float32 else (cfg.o_bk_f32,
-                                                                         cfg.o_warps_f32)
-  nk = -(-K // o_bk)
-  finish_dq = HV == H and nk == 1 and bool(cfg.finish_dq)
+  nk = -(-K // cfg.o_bk)
   dq_v, dk_o, db_k, dg_k = _launch.call(
       "chunk_o_bwd.chunk_o_bwd_kernel", qn, kn, v_new, h_x, do_t, dh, xp,
-      gx if use_g else ph(), beta_p, qp if finish_dq and l2 else ph(dtype), cu, desc_x, N, TT,
-      float(static.scale),
+      gx if use_g else ph(), beta_p, cu, desc_x, float(static.scale),
       grid=(desc_x.shape[0] * nk, HV),   # the K block fastest (shared tiles in L2)
-      out_shape=[jax.ShapeDtypeStruct((TT, HV, K), q.dtype if finish_dq else part),
-                 jax.ShapeDtypeStruct((R, HV, K), part),
+      out_shape=[jax.ShapeDtypeStruct((TT, HV, K), part), jax.ShapeDtypeStruct((R, HV, K), part),
                  jax.ShapeDtypeStruct((R, HV, nk), f32),
                  jax.ShapeDtypeStruct((R, HV, nk) if use_g else (1,), f32)],
-      backend=backend, num_warps=o_warps, num_stages=cfg.o_stages,
-      H=H, HV=HV, K=K, V=V, M=M, BT=BT, BK=o_bk, BV=cfg.o_bv, NK=nk, USE_G=use_g,
-      FINISH_DQ=finish_dq, USE_L2NORM=l2, ZERO_TAIL=cu_seqlens is not None,
+      backend=backend, num_warps=cfg.o_warps, num_stages=cfg.o_stages,
+      H=H, HV=HV, K=K, V=V, M=M, BT=BT, BK=cfg.o_bk, BV=cfg.o_bv, NK=nk, USE_G=use_g,
       DOT_PRECISION=prec)
 
+  # Without value heads to sum (HV == H), chunk_wy_bwd finishes dk in k's dtype; otherwise it
+  # leaves rows per value head (in `part`) for qk_bwd. With cu_seqlens it writes the zero rows
+  # past cu_seqlens[N] of its outputs too (block i_d by descriptor i_d: enough descriptors).
+  l2 = static.use_qk_l2norm_in_kernel
   finish_dk = HV == H and bool(cfg.finish_dk)
+  assert desc_x.shape[0] * BT >= R, (desc_x.shape, R)
   dk_x, dv_x, dbeta_x, dg_x, _ = _launch.call(
       "chunk_wy_bwd.chunk_wy_bwd_kernel", kn, vp, v_new, beta_p, gx if use_g else ph(), xp,
       dk_o, db_k, dg_k if use_g else ph(), kp if finish_dk and l2 else ph(dtype),
@@ -367,8 +350,7 @@ def _backward(q, k, v, g, beta, initial_state, cu_seqlens, res, do, dht, static)
 
   # qk_bwd: the group sums over value heads, the L2 norm's backward, the zero rows past
   # cu_seqlens[N] and the cast, in one pass over each per-value-head buffer.
-  dq = dq_v if finish_dq else _qk_bwd(dq_v, qp if l2 else None, cu, N, 1, H, q.dtype, backend,
-                                      cfg)
+  dq = _qk_bwd(dq_v, qp if l2 else None, cu, N, 1, H, q.dtype, backend, cfg)
   dk = dk_x if finish_dk else _qk_bwd(dk_x, kp if l2 else None, cu, N, M, H, k.dtype, backend,
                                       cfg)
   dg = dg_x.reshape(TT, M, HV)[:, 0] if use_g else None

@@ -36,10 +36,7 @@ the H200: docs/performance.md, Training). The NK programs of one chunk and head 
 that the later ones may find do~, V' and dV' (read by each) in L2 instead of HBM. dG goes out
 per K block and is summed by chunk_wy_bwd. Rows past the sequence end are neither read nor
 written; dq~ goes out on the token stream (the last copies only: every other row of dq~ is
-zero). With FINISH_DQ (HV == H and the whole K row in one block) nothing is left to sum over
-value heads, so the program finishes q's gradient itself (the L2 norm's backward from the raw
-query row, the cast, and with ZERO_TAIL the zero rows past cu_seqlens[N]) in place of qk_bwd's
-pass over a per-value-head buffer.
+zero).
 
 Parameter order: inputs, outputs, constexprs.
 """
@@ -61,16 +58,11 @@ def chunk_o_bwd_kernel(
     dx,          # [T*M, HV, V] X = T^T dV', input dtype
     g_cum,       # [T*M, HV] float32 Gx; a placeholder when USE_G is False
     beta,        # [T*M, HV] float32
-    q_raw,       # [T, H, K] the raw queries, input dtype; a placeholder unless FINISH_DQ and
-                 # USE_L2NORM
     cu_seqlens,  # [N+1] int32 token-stream sequence starts
     chunk_desc,  # [NXD, 2] int32 (sequence, expanded chunk within it); sequence -1 = padding
-    N,           # sequences (FINISH_DQ with ZERO_TAIL)
-    TQ,          # rows of the token stream, T (FINISH_DQ with ZERO_TAIL)
     scale,       # float32 query scale
     # outputs
-    dq,          # [T, HV, K] cotangent of q per value head, float32 or input dtype; with
-                 # FINISH_DQ q's gradient [T, H, K] in q's dtype
+    dq,          # [T, HV, K] cotangent of q per value head, float32 or input dtype
     dk,          # [T*M, HV, K] (output, state-update and Kb parts), float32 or input dtype
     db,          # [T*M, HV, NK] float32 dbeta's part Gamma <dKb, k> per K block
     dg,          # [T*M, HV, NK] float32 dG per K block; never written without USE_G
@@ -86,22 +78,11 @@ def chunk_o_bwd_kernel(
     NK: tl.constexpr,  # ceil(K / BK): K blocks per chunk and head, the grid's fastest
     # flags
     USE_G: tl.constexpr,
-    FINISH_DQ: tl.constexpr,  # HV == H, NK == 1: dq itself (norm backward, cast, zero tail)
-    USE_L2NORM: tl.constexpr,
-    ZERO_TAIL: tl.constexpr,  # with FINISH_DQ, packed: zero dq's rows past cu_seqlens[N]
     DOT_PRECISION: tl.constexpr,
 ):
   i_d, i_k = tl.program_id(0) // NK, tl.program_id(0) % NK
   i_hv = tl.program_id(1)
   i_h = i_hv // (HV // H)
-  if FINISH_DQ and ZERO_TAIL:
-    # Token rows past cu_seqlens[N] belong to no chunk: descriptor i_d zeroes the i_d-th block of
-    # BT of them (the descriptors cover T * M >= T rows), before a padding descriptor returns.
-    o_z = tl.arange(0, BK)
-    r_z = tl.load(cu_seqlens + N).to(tl.int64) + i_d * BT + tl.arange(0, BT)
-    tl.store(dq + r_z[:, None] * (HV * K) + i_hv * K + o_z[None, :],
-             tl.zeros([BT, BK], dtype=dq.dtype.element_ty),
-             mask=(r_z < TQ)[:, None] & (o_z < K)[None, :])
   i_n, row0, n = chunk_span(chunk_desc, cu_seqlens, i_d, M, BT)
   if i_n < 0:
     return
@@ -144,9 +125,9 @@ def chunk_o_bwd_kernel(
                                                          i_hv, HV, BT, BQ, USE_G)
   o_kk = tl.arange(0, BK)
   b_sds = tl.sum(tl.sum(tl.where(o_kk[:, None] == o_kk[None, :], b_sds, 0.), 1), 0)
-  _store_k_block(q, k, beta, q_raw, dq, dk, db, dg, b_dpt.to(dt), b_dqi, b_dks, b_xs, b_sds,
-                 b_gam, b_gam_q, b_kdec, b_g_last, scale, row0, n, tok, r_q, mask_q, i_h, i_hv,
-                 i_k, H, HV, K, BT, BK, BQ, NK, USE_G, FINISH_DQ, USE_L2NORM, DOT_PRECISION)
+  _store_k_block(q, k, beta, dq, dk, db, dg, b_dpt.to(dt), b_dqi, b_dks, b_xs, b_sds, b_gam,
+                 b_gam_q, b_kdec, b_g_last, scale, row0, n, tok, r_q, mask_q, i_h, i_hv, i_k,
+                 H, HV, K, BT, BK, BQ, NK, USE_G, DOT_PRECISION)
 
 
 @triton.jit
@@ -179,16 +160,13 @@ def _decayed_dpt(b_dpt, g_cum, row0, n, r_q, mask_q, i_hv, HV: tl.constexpr, BT:
 
 
 @triton.jit
-def _store_k_block(q, k, beta, q_raw, dq, dk, db, dg, b_dpt, b_dqi, b_dks, b_xs, b_sds, b_gam,
+def _store_k_block(q, k, beta, dq, dk, db, dg, b_dpt, b_dqi, b_dks, b_xs, b_sds, b_gam,
                    b_gam_q, b_kdec, b_g_last, scale, row0, n, tok, r_q, mask_q, i_h, i_hv, i_k,
                    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr,
                    BK: tl.constexpr, BQ: tl.constexpr, NK: tl.constexpr,
-                   USE_G: tl.constexpr, FINISH_DQ: tl.constexpr, USE_L2NORM: tl.constexpr,
-                   DOT_PRECISION: tl.constexpr):
+                   USE_G: tl.constexpr, DOT_PRECISION: tl.constexpr):
   """dq~, dk, dbeta's and dG's parts of K block i_k from the products accumulated over V
-  (b_xs = X S^T = -dKb; b_dpt the decayed dP^T in the input dtype). With FINISH_DQ the block is
-  the whole K row, and dq~ becomes q's gradient here, as qk_bwd would make it (kernels/qk_bwd.py:
-  nothing to sum at HV == H; r (dy - y <y, dy>), y = x r, with x the raw query)."""
+  (b_xs = X S^T = -dKb; b_dpt the decayed dP^T in the input dtype)."""
   o_a = tl.arange(0, BT)
   mask_r = o_a < n
   o_k = i_k * BK + tl.arange(0, BK)
@@ -219,13 +197,5 @@ def _store_k_block(q, k, beta, q_raw, dq, dk, db, dg, b_dpt, b_dqi, b_dks, b_xs,
     tl.store(dg + ((row0 + o_a) * HV + i_hv) * NK + i_k, b_dg, mask=mask_r)
   tl.store(dk + (row0 + o_a[:, None]) * (HV * K) + i_hv * K + o_k[None, :],
            (b_dk - b_xs * b_bg[:, None]).to(dk.dtype.element_ty), mask=m_rk)
-  m_kq = mask_k[:, None] & mask_q[None, :]
-  if FINISH_DQ and USE_L2NORM:
-    # dq~^T is [K, BQ]: the norms are column sums.
-    b_x = tl.load(q_raw + tok[None, :] * (H * K) + i_h * K + o_k[:, None], mask=m_kq,
-                  other=0.).to(tl.float32)
-    b_r = tl.rsqrt(tl.sum(b_x * b_x, 0) + 1e-6)
-    b_y = b_x * b_r[None, :]
-    b_dqt = b_r[None, :] * (b_dqt - b_y * tl.sum(b_y * b_dqt, 0)[None, :])
   tl.store(dq + tok[None, :] * (HV * K) + i_hv * K + o_k[:, None],
-           b_dqt.to(dq.dtype.element_ty), mask=m_kq)
+           b_dqt.to(dq.dtype.element_ty), mask=mask_k[:, None] & mask_q[None, :])

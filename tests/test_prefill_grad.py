@@ -252,47 +252,39 @@ def test_f32_precision_reaches_every_kernel(monkeypatch, dtype):
     assert default == ieee
 
 
-# dq finished by chunk_o_bwd and dk by chunk_wy_bwd (HV == H; dq where one program holds whole K
-# rows: K <= o_bk, o_bk_f32 for float32) or both by qk_bwd: without the L2 norm on float32 inputs the same float32 sum
-# rounded once (bitwise equal), with it the norm's backward from the raw query row or the
-# forward's key factors against qk_bwd's own. Packed: the zero rows past cu_seqlens[N] too.
+# dk finished by chunk_wy_bwd (HV == H) or by qk_bwd: without the L2 norm the same float32 sum
+# rounded once (bitwise equal), with it the norm's backward from the forward's row factors
+# against qk_bwd's own.
 FINISH_CASES = [
-    Case(T=90, H=2, HV=2, K=60, V=32, M=2, varlen=(30, 0, 50), l2norm=True),
+    Case(T=90, H=2, HV=2, K=80, V=32, M=2, varlen=(30, 0, 50), l2norm=True),
     Case(T=100, H=1, HV=1, K=32, V=32, M=1, varlen=(30, 0, 50)),
     Case(T=70, H=2, HV=2, K=32, V=32, M=3, dtype="bfloat16", l2norm=True),
 ]
 
 
 @pytest.mark.parametrize("c", FINISH_CASES, ids=lambda c: c.id)
-def test_dq_dk_finished_without_qk_bwd(c, monkeypatch):
-  seen = spy_launches(monkeypatch, lambda kernel, args, kwargs: (
-      kernel.split(".")[0], kwargs.get("FINISH_DQ", kwargs.get("FINISH_DK"))))
+def test_dk_finished_in_wy_bwd(c):
   check_finish_paths(c, KERNEL_BACKEND)
-  # Each config traced once, in order: qk_bwd's path (dq, dk), then the finishing kernels'.
-  assert [x for x in seen if x[0] in ("chunk_o_bwd", "chunk_wy_bwd", "qk_bwd")] == [
-      ("chunk_o_bwd", False), ("chunk_wy_bwd", False), ("qk_bwd", None), ("qk_bwd", None),
-      ("chunk_o_bwd", True), ("chunk_wy_bwd", True)], seen
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
-def test_dq_dk_finished_without_qk_bwd_gpu(dtype):
+def test_dk_finished_in_wy_bwd_gpu(dtype):
   check_finish_paths(Case(B=1, T=1000, H=4, HV=4, K=128, V=128, M=2, dtype=dtype, l2norm=True,
                           varlen=(500, 0, 470)), "triton")
 
 
 def check_finish_paths(c, backend):
   """Both paths against the reference, and against each other: in the interpreter every other
-  gradient bit for bit (the same code; compiled, the kernels' variants may lay out their
-  reductions differently)."""
-  qk_path = _prefill_bwd.BwdConfig(finish_dk=0, finish_dq=0)
-  qk, done = check_grads(c, backend, configs=[qk_path, _prefill_bwd.BwdConfig()])
+  gradient bit for bit (the same code; compiled, the two chunk_wy_bwd variants may lay out
+  their reductions differently)."""
+  qk, wy = check_grads(c, backend, configs=[_prefill_bwd.BwdConfig(finish_dk=0),
+                                            _prefill_bwd.BwdConfig()])
   tol = 1e-6 if c.dtype == "float32" else 1e-2
   for n in qk:
-    exact = n not in ("q", "k") or (not c.l2norm and c.dtype == "float32")
-    if backend == "interpret" and exact:
-      assert bits_equal(qk[n], done[n]), f"d{n} differs between the two paths"
-    e = err_ratio(np.asarray(qk[n], f64), np.asarray(done[n], f64))
+    if backend == "interpret" and (n != "k" or not c.l2norm):
+      assert bits_equal(qk[n], wy[n]), f"d{n} differs between the two paths"
+    e = err_ratio(np.asarray(qk[n], f64), np.asarray(wy[n], f64))
     assert e < tol, f"d{n}: ratio {e:.3e} between the paths"
 
 
@@ -388,7 +380,7 @@ def test_scan_block_widths_agree():
 # config: one masked K block of 128 at K = 100 (the default has two of 64), one masked V step of
 # 128 at V = 80 (the default has two of 64).
 O_CASE = Case(T=43, H=2, HV=4, K=100, V=80, M=3, l2norm=True)
-O_VARIANTS = [dict(o_bk_f32=128, o_bv=128)]   # both widths in one run of the whole backward
+O_VARIANTS = [dict(o_bk=128, o_bv=128)]   # both widths in one run of the whole backward
 
 
 def test_chunk_o_bwd_variants():
@@ -403,18 +395,17 @@ def test_chunk_o_bwd_variants():
       assert e < 1e-5, f"d{n} under {v}: ratio {e:.3e} to the default config"
 
 
-# The chunk_o_bwd variants on the GPU: for 16-bit inputs 64-column K blocks at 4 warps (the
-# default until 2026-12-07, which tests/test_sm90_compile.py compiles), for float32 128 at 8 warps
-# (docs/performance.md, Training).
+# The chunk_o_bwd variant that tests/test_sm90_compile.py compiles, on the GPU: K blocks of 128
+# at 8 warps, which tied the default at K = V = 128 (docs/performance.md, Training).
+O_GPU_VARIANTS = [dict(o_bk=128, o_warps=8)]
 O_GPU_CASES = [Case(B=2, T=600, H=4, HV=8, K=128, V=128, M=2, dtype="bfloat16", l2norm=True),
                Case(B=2, T=600, H=4, HV=8, K=128, V=128, M=2, dtype="float32", l2norm=True),
                Case(B=2, T=500, H=2, HV=4, K=256, V=512, M=2, dtype="bfloat16", l2norm=True)]
 # float32 takes exact products there: under the default tf32x3 the variant's operand tiles need
 # 245760 B of shared memory (sm_90 compile), over the 232448 a block may have.
 O_GPU_PARAMS = [pytest.param(c, v, id=c.id + "-" + ",".join(f"{k}={x}" for k, x in v.items()))
-                for c in O_GPU_CASES
-                for v in [dict(o_bk_f32=128, o_warps_f32=8, f32_precision="ieee")
-                          if c.dtype == "float32" else dict(o_bk=64, o_warps=4)]]
+                for c in O_GPU_CASES for v in O_GPU_VARIANTS
+                for v in [dict(v, f32_precision="ieee") if c.dtype == "float32" else v]]
 
 
 @pytest.mark.gpu
