@@ -74,13 +74,6 @@ MODEL_CASES = (
 )
 CHILD_TIMEOUT_S = 420
 
-
-def _model_child(case):
-  """The child that runs a model case. The engine cases run the reference backend whichever
-  child runs them (their model says so), and the interpreter child, whose cases are fewer,
-  takes them, so that the two children finish together: on 2 cores the reference child ran
-  about 140 s and the interpreter child 75 s, one core idle for the rest."""
-  return "interpret" if case.endswith("interpret") or case.startswith("engine") else "reference"
 # The sharded engine against the one-device engine: two XLA programs, whose fusions may round
 # differently although every device computes what one device does outside the op (the
 # projections whole, examples/sharded_lm.py). On 4 CPU devices snapshot caches came out bit for
@@ -90,6 +83,14 @@ def _model_child(case):
 # few float32 ulp (one ulp: 6e-8 to 1.2e-7 relative); a wrong slot, head or ring row is off by
 # O(1).
 ENGINE_RTOL = 1e-6
+
+
+def _model_child(case):
+  """The child that runs a model case. The engine cases run the reference backend whichever
+  child runs them (their model says so), and the interpreter child, whose cases are fewer,
+  takes them, so that the two children finish together: on 2 cores the reference child ran
+  about 150 s and the interpreter child 75 s, one core idle for the rest."""
+  return "interpret" if case.endswith("interpret") or case.startswith("engine") else "reference"
 
 
 # --------------------------------------------------------------------------------------------
