@@ -144,8 +144,9 @@ def _forward_only(primals, tangents):
       "without a state cache and without chunk snapshots: jax.grad / jax.vjp with respect to "
       "q, k, v, g, beta and initial_state (and the final state's cotangent with "
       "output_final_state=True). The state cache (state, state_indices), return_chunk_states "
-      "and the decode entry points are forward-only; for gradients through those use "
-      "backend='reference', the pure jax.numpy twins.")
+      "and the decode entry points are forward-only, and so is the backward itself: forward "
+      "mode (jax.jvp, jax.jacfwd) and derivatives of a gradient (jax.hessian, a grad of a "
+      "grad) are not supported. For those use backend='reference', the pure jax.numpy twins.")
 
 
 def _no_launch(args, out_shape, aliases):

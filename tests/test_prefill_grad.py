@@ -639,6 +639,26 @@ def test_non_differentiable_arguments_say_what_is(what):
     jax.grad(loss)(xk["q"])
 
 
+def test_remat_composes_and_higher_order_says_unsupported():
+  """jax.checkpoint around the op (rematerialised training) gives the plain gradient bit for
+  bit; forward mode over the backward (jax.hessian, jacfwd of grad) names what is supported."""
+  c = Case(T=20, init=False, final=False)
+  x, cts, kw = make_inputs(c, 5)
+  xk = _cast(c, x)
+
+  def loss(q):
+    o, _ = gdp_jax.chunk_gated_delta_product(q, *(xk[n] for n in ("k", "v", "g", "beta")), **kw,
+                                             backend=KERNEL_BACKEND)
+    return jnp.sum(o.astype(jnp.float32) * jnp.asarray(cts[0], jnp.float32))
+
+  plain = jax.jit(jax.grad(loss))(xk["q"])
+  remat = jax.jit(jax.grad(jax.checkpoint(loss)))(xk["q"])
+  assert bits_equal(plain, remat)
+  assert float(jnp.abs(plain.astype(jnp.float32)).max()) > 0
+  with pytest.raises(NotImplementedError, match="derivatives of a gradient"):
+    jax.jacfwd(jax.grad(loss))(xk["q"])
+
+
 @pytest.mark.slow
 def test_reference_gradient_matches_finite_differences():
   """The oracle's own gradient: central differences of the float64 reference on a tiny case."""
