@@ -475,7 +475,9 @@ def render_file(path: str) -> list[str]:
     except Exception as e:  # noqa: BLE001 - an unexpected row layout falls back to the generic table
       body = generic_table(shown) + ["", f"(tabulated generically: {type(e).__name__}: {e})"]
     out += body
-    errors = [(i, r["error"]) for i, r in enumerate(rows) if r.get("error")]
+    # Named by the row's own number and implementation where it has them, else by its index.
+    errors = [(f'{r["row"]} ({r.get("impl", "-")})' if "row" in r else i, r["error"])
+              for i, r in enumerate(rows) if r.get("error")]
     skipped = len(rows) - len(shown)
     if errors or skipped:
       out.append("")

@@ -25,8 +25,8 @@ divides BT), so dq~ and dP have BQ rows, not BT rows of which M - 1 in M are zer
 transposed, as V' do~^T, where it is the left operand of dk's product and the right operand of
 dq~^T's, so it is never transposed: Triton 3.4 to 3.7.0 miscompiles on Hopper a tl.trans of a
 dot result fed to another dot (FLA #640). A loaded tile that feeds both a dot and a register
-reduction in one pipelined loop is avoided too (docs/algorithm.md §4.2), so <S, dS> is the trace
-of the product dS S^T accumulated beside the others. Transposed operands are transposes of
+reduction in one pipelined loop is avoided too (docs/algorithm.md §4.2), so <S, dS> is summed in
+a second V loop that loads S and dS again. Transposed operands are transposes of
 loaded tiles.
 
 Grid: (NK * expanded-chunk descriptors, HV), NK = ceil(K / BK), the K block fastest: program
@@ -101,7 +101,6 @@ def chunk_o_bwd_kernel(
   b_dpt = tl.zeros([BT, BQ], dtype=tl.float32)   # V' do~^T: dP^T before the decay
   b_dks = tl.zeros([BT, BK], dtype=tl.float32)
   b_xs = tl.zeros([BT, BK], dtype=tl.float32)
-  b_sds = tl.zeros([BK, BK], dtype=tl.float32)
   for i_v in range(tl.cdiv(V, BV)):
     o_v = i_v * BV + tl.arange(0, BV)
     mask_v = o_v < V
@@ -119,12 +118,22 @@ def chunk_o_bwd_kernel(
     b_dpt += tl.dot(b_vn, b_dot, input_precision=DOT_PRECISION)
     b_dks += tl.dot(b_vn, tl.trans(b_dh), input_precision=DOT_PRECISION)
     b_xs += tl.dot(b_x, b_ht, input_precision=DOT_PRECISION)
-    if USE_G:
-      b_sds += tl.dot(b_dh, b_ht, input_precision=DOT_PRECISION)
   b_dpt, b_gam, b_gam_q, b_kdec, b_g_last = _decayed_dpt(b_dpt, g_cum, row0, n, r_q, mask_q,
                                                          i_hv, HV, BT, BQ, USE_G)
-  o_kk = tl.arange(0, BK)
-  b_sds = tl.sum(tl.sum(tl.where(o_kk[:, None] == o_kk[None, :], b_sds, 0.), 1), 0)
+  # <S, dS> (dG's last row only) in a V loop of its own: the tiles, just read above, come from
+  # L2 and feed only this sum. As the trace of a [BK, BK] product in the loop above it took
+  # 17 to 19 us more of the kernel's 370 (docs/performance.md, Training).
+  b_sds = 0.
+  if USE_G:
+    b_acc = tl.zeros([BK, BV], dtype=tl.float32)
+    for i_v in range(tl.cdiv(V, BV)):
+      o_v = i_v * BV + tl.arange(0, BV)
+      m_kv = mask_k[:, None] & (o_v < V)[None, :]
+      b_acc += (tl.load(p_h + o_k[:, None] * V + o_v[None, :], mask=m_kv, other=0.).to(dt)
+                .to(tl.float32)
+                * tl.load(p_dh + o_k[:, None] * V + o_v[None, :], mask=m_kv, other=0.).to(dt)
+                .to(tl.float32))
+    b_sds = tl.sum(tl.sum(b_acc, 1), 0)
   _store_k_block(q, k, beta, dq, dk, db, dg, b_dpt.to(dt), b_dqi, b_dks, b_xs, b_sds, b_gam,
                  b_gam_q, b_kdec, b_g_last, scale, row0, n, tok, r_q, mask_q, i_h, i_hv, i_k,
                  H, HV, K, BT, BK, BQ, NK, USE_G, DOT_PRECISION)
