@@ -96,7 +96,8 @@ class BwdConfig(NamedTuple):
   h_split_programs: int = 256
   h_split_max: int = 8
   # chunk_o_bwd: o_bk columns of K per program, the V loop in steps of o_bv. At row 0 o_bk=128
-  # with 8 warps tied (410.5 us against 413.8) and o_bv=128 lost (439.2); one program per
+  # with 8 warps tied (410.5 us against 413.8; H100, 2026-12-08, with <S, dS> out of the
+  # products, 401.8 against 352.8) and o_bv=128 lost (439.2); one program per
   # (chunk, value head) walking every K block after forming dP once lost too (533.6 us at 4
   # warps, 577.6 at 8) and is gone (docs/performance.md, Training).
   o_bk: int = 64
