@@ -123,9 +123,8 @@ def chunk_o_bwd_kernel(
   # <S, dS> (dG's last row only) in a V loop of its own: the tiles, just read above, come from
   # L2 and feed only this sum. As the trace of a [BK, BK] product in the loop above it took
   # 17 to 19 us more of the kernel's 370 (docs/performance.md, Training).
-  b_sds = 0.
+  b_acc = tl.zeros([BK, BV], dtype=tl.float32)
   if USE_G:
-    b_acc = tl.zeros([BK, BV], dtype=tl.float32)
     for i_v in range(tl.cdiv(V, BV)):
       o_v = i_v * BV + tl.arange(0, BV)
       m_kv = mask_k[:, None] & (o_v < V)[None, :]
@@ -133,7 +132,7 @@ def chunk_o_bwd_kernel(
                 .to(tl.float32)
                 * tl.load(p_dh + o_k[:, None] * V + o_v[None, :], mask=m_kv, other=0.).to(dt)
                 .to(tl.float32))
-    b_sds = tl.sum(tl.sum(b_acc, 1), 0)
+  b_sds = tl.sum(tl.sum(b_acc, 1), 0)
   _store_k_block(q, k, beta, dq, dk, db, dg, b_dpt.to(dt), b_dqi, b_dks, b_xs, b_sds, b_gam,
                  b_gam_q, b_kdec, b_g_last, scale, row0, n, tok, r_q, mask_q, i_h, i_hv, i_k,
                  H, HV, K, BT, BK, BQ, NK, USE_G, DOT_PRECISION)
